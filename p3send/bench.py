@@ -1,0 +1,325 @@
+"""``p3send bench``: the send and the combine round against the hardware's ceilings and
+the alternatives a user would pick, measured in ONE run on the GPU it finds.
+
+Method (docs/PERF.md): device events around each iteration, medians over many
+iterations after warm-up, inputs rotated among sets larger than L2, never zeros.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+from . import driver
+from .abi import P3PeerSendConfig
+from .kernels import RecvReduce, ScatterSend
+from .layout import encode_range_table
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--only", action="append", default=None,
+                   choices=["prefill", "budget", "decode", "latency", "host", "epilogue"],
+                   help="run only these sections (default: all)")
+    p.add_argument("--tokens", type=int, default=4096, help="prefill tokens per rank (default 4096)")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--experts", type=int, default=32, help="local experts per rank")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", default="p3send-bench.json", help="where to write the results")
+
+
+class Timer:
+    """Event-timed iterations on one stream; median in microseconds."""
+
+    def __init__(self, stream: driver.Stream):
+        self.s = stream
+        self.ev = [(driver.Event(), driver.Event()) for _ in range(2)]
+
+    def run(self, fn, iters: int, warmup: int) -> dict:
+        for i in range(warmup):
+            fn(i)
+        self.s.synchronize()
+        starts = [driver.Event() for _ in range(iters)]
+        ends = [driver.Event() for _ in range(iters)]
+        for i in range(iters):
+            starts[i].record(self.s)
+            fn(i)
+            ends[i].record(self.s)
+        self.s.synchronize()
+        us = [1000.0 * a.elapsed_ms(b) for a, b in zip(starts, ends)]
+        for e in starts + ends:
+            e.close()
+        return {"median_us": statistics.median(us), "min_us": min(us), "max_us": max(us), "n": iters}
+
+
+def _torch():
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except Exception:  # torch is an optional comparison only
+        return None
+
+
+def _random_bytes(nbytes: int, rng, torch=None) -> driver.DeviceBuffer:
+    """A device buffer of random non-zero bytes (generated on the GPU when torch is there)."""
+    buf = driver.DeviceBuffer(nbytes)
+    if torch is not None:
+        t = torch.randint(1, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        driver.memcpy_dtod(buf.ptr, t.data_ptr(), nbytes, driver.Stream(null=True))
+        driver.device().synchronize()
+        del t
+    else:
+        chunk = 1 << 26
+        for o in range(0, nbytes, chunk):
+            n = min(chunk, nbytes - o)
+            buf.upload(rng.integers(1, 256, n, dtype=np.uint8), offset=o)
+    return buf
+
+
+def prefill_routing(tokens: int, ranks: int, top_k: int, experts: int, rng):
+    """One sender's rows at the prefill shape: tokens*top_k rows (the average a rank owns)
+    grouped by local expert, each row owned by a random rank, unique (token, k) slots per
+    rank. Returns expert_offsets, range_table, src_info (rows, 2), dst_rank (rows,)."""
+    rows = tokens * top_k
+    rank_of_row = rng.integers(0, ranks, rows)
+    expert_of_row = rng.integers(0, experts, rows)
+    order = np.lexsort((rank_of_row, expert_of_row))        # by expert, then rank
+    rank_of_row, expert_of_row = rank_of_row[order], expert_of_row[order]
+    counts = np.zeros((experts, ranks), np.int64)
+    np.add.at(counts, (expert_of_row, rank_of_row), 1)
+    off = np.concatenate([[0], np.cumsum(counts.sum(axis=1))]).astype(np.int32)
+    src = np.empty((rows, 2), np.int32)
+    for rk in range(ranks):
+        mine = np.nonzero(rank_of_row == rk)[0]
+        slots = rng.permutation(tokens * top_k)[: len(mine)]
+        src[mine, 0], src[mine, 1] = slots // top_k, slots % top_k
+    return off, encode_range_table(off, counts), src, rank_of_row
+
+
+def bench_prefill(a, dev, rng, torch, out: dict, copy_stream: driver.Stream) -> None:
+    msg = 2 * a.hidden
+    rows = a.tokens * a.top_k
+    nbytes = rows * msg
+    off, table, src, dst = prefill_routing(a.tokens, a.ranks, a.top_k, a.experts, rng)
+    recv_bytes = a.tokens * a.top_k * msg
+    sets = 2                                              # rotate: 2 x (C + receive buffers) >> L2
+    cs = [_random_bytes(nbytes, rng, torch) for _ in range(sets)]
+    recvs = [[driver.DeviceBuffer(recv_bytes, fill=0xAB) for _ in range(a.ranks)] for _ in range(sets)]
+    counts = [driver.DeviceBuffer(8 * a.experts * a.ranks, fill=0xFF) for _ in range(a.ranks)]
+    rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
+    offs = driver.DeviceBuffer.from_array(off)
+    s = copy_stream
+    timer = Timer(s)
+    sender = ScatterSend(a.experts, device=dev)
+    blocks = []
+    for i in range(sets):
+        cfg = P3PeerSendConfig.disabled()
+        cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, srcb.ptr
+        cfg.recv_buf_ptrs = [recvs[i][p].ptr if p < a.ranks else 0x1 for p in range(8)]
+        cfg.n_ranks = cfg.p2p_world_size = a.ranks
+        cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = a.top_k, msg, a.tokens, 0
+        blocks.append(sender.prepare(cfg, cs[i], offs, expert_offsets_host=off, count_ptrs=counts,
+                                     rows_in_c=rows, into=sender.k.params_block()))
+
+    def send(i):   # the signal is on (counts are overwritten; only receivers need them re-armed)
+        sender.launch(s, blocks[i % sets])
+
+    res = {"p3_scatter_send": timer.run(send, a.iters, a.warmup)}
+    dsts = [driver.DeviceBuffer(nbytes) for _ in range(sets)]
+    res["d2d_copy"] = timer.run(lambda i: driver.memcpy_dtod(dsts[i % sets].ptr, cs[i % sets].ptr, nbytes, s),
+                                a.iters, a.warmup)
+    for d in dsts:
+        d.free()
+    if torch is not None:
+        ts = torch.cuda.ExternalStream(int(s))
+        slots_total = a.ranks * a.tokens * a.top_k
+        with torch.cuda.stream(ts):
+            dst_t = [torch.empty((slots_total, msg), dtype=torch.uint8, device="cuda") for _ in range(sets)]
+            src_t = [torch.as_tensor(cs[i], device="cuda").view(rows, msg) for i in range(sets)]
+            idx = torch.as_tensor(dst.astype(np.int64) * (a.tokens * a.top_k) + src[:, 0].astype(np.int64) * a.top_k
+                                  + src[:, 1], device="cuda")
+        torch.cuda.synchronize()
+        res["torch_index_copy_"] = timer.run(lambda i: dst_t[i % sets].index_copy_(0, idx, src_t[i % sets]),
+                                             a.iters, a.warmup)
+        del dst_t, src_t, idx
+    moved = 2 * nbytes
+    for k, v in res.items():
+        v["TBps_rw"] = moved / (v["median_us"] * 1e-6) / 1e12
+    copy_us = res["d2d_copy"]["median_us"]
+    out["prefill"] = {"rows": rows, "msg_bytes": msg, "bytes": nbytes, "results": res,
+                      "send_over_copy": res["p3_scatter_send"]["median_us"] / copy_us}
+    if "torch_index_copy_" in res:
+        out["prefill"]["index_copy_over_send"] = res["torch_index_copy_"]["median_us"] / res["p3_scatter_send"]["median_us"]
+    if "budget" in a.only:
+        budget = {}
+        for n in [x for x in (8, 16, 32, 64) if x < dev.sm_count] + [dev.sm_count]:
+            sender.set_num_sms(n)
+            us = timer.run(send, a.iters // 2 + 5, a.warmup)["median_us"]
+            budget[n] = {"median_us": us, "TBps_rw": moved / (us * 1e-6) / 1e12}
+        sender.set_num_sms(None)
+        out["budget"] = budget
+    out["copy_TBps_rw"] = res["d2d_copy"]["TBps_rw"]
+    sender.close()
+    for b in cs + [x for r in recvs for x in r] + counts + [rtab, srcb, offs]:
+        b.free()
+
+
+def bench_decode(a, dev, rng, out: dict) -> None:
+    from .cases import world_case
+    from .combine import Combine
+    world = world_case(n_ranks=a.ranks, tokens=a.decode_tokens, top_k=a.top_k, n_local=a.experts,
+                       hidden=a.hidden, seed=int(rng.integers(1 << 31)))
+    comb = Combine(a.ranks, max_tokens=a.decode_tokens, top_k=a.top_k, hidden=a.hidden,
+                   n_local_experts=a.experts, device=dev, stamps=False)
+    comb.load_world(world)
+    comb.round()                                  # verified path once before timing
+    graph = comb.capture()
+    timer = Timer(comb.origin)
+    t = timer.run(lambda i: graph.launch(comb.origin), a.iters * 4, a.warmup)
+    comb.check()
+    rows = sum(len(d.c) for d in world.ranks)
+    msg = 2 * a.hidden
+    moved = 2 * rows * msg + a.ranks * a.decode_tokens * (a.top_k + 1) * msg   # send r+w, reduce r+w
+    floor_us = moved / (out["copy_TBps_rw"] * 1e12) * 1e6 if "copy_TBps_rw" in out else None
+    host = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        graph.launch(comb.origin)
+        host.append((time.perf_counter() - t0) * 1e6)
+    comb.origin.synchronize()
+    comb.check()
+    out["decode"] = {"round_us": t["median_us"], "bytes_moved": moved, "copy_floor_us": floor_us,
+                     "round_over_floor": (t["median_us"] / floor_us) if floor_us else None,
+                     "graph_replay_host_us": statistics.median(host), "rows": rows}
+    graph.close()
+    comb.close()
+
+
+def bench_latency(a, dev, out: dict) -> None:
+    """One row, one token: the receiver spins on stream A, the sender runs on stream B;
+    latency = receiver's observe stamp - sender's last-store stamp (%globaltimer ns)."""
+    msg = 2 * a.hidden
+    recv = driver.DeviceBuffer(msg, fill=0xAB)
+    counts = driver.DeviceBuffer(8, fill=0xFF)
+    c = driver.DeviceBuffer.from_array(np.full(msg, 7, np.uint8))
+    table = encode_range_table([0, 1], [[1]])
+    rtab = driver.DeviceBuffer.from_array(table)
+    src = driver.DeviceBuffer.from_array(np.zeros((1, 2), np.int32))
+    topk = driver.DeviceBuffer.from_array(np.zeros((1, 1), np.int32))
+    w = driver.DeviceBuffer.from_array(np.ones((1, 1), np.float32))
+    outb = driver.DeviceBuffer(msg, fill=0)
+    sst, rst = driver.DeviceBuffer(16, fill=0), driver.DeviceBuffer(32, fill=0)
+    cfg = P3PeerSendConfig.disabled()
+    cfg.atomic_counter, cfg.src_info_ptr, cfg.recv_buf_ptrs = rtab.ptr, src.ptr, [recv.ptr] + [0x1] * 7
+    cfg.n_ranks = cfg.p2p_world_size = cfg.top_k = cfg.max_tokens_per_rank = 1
+    cfg.msg_bytes, cfg.send_stamp_ptr, cfg.send_stamp_on = msg, sst.ptr, 1
+    sender = ScatterSend(1, device=dev, num_sms=1)
+    recvk = RecvReduce(device=dev, max_ctas=1)
+    sender.prepare(cfg, c, np.array([0, 1], np.int32), count_ptrs=[counts])
+    recvk.prepare(cfg, recv, counts, topk, w, outb, n_tokens=1, n_experts=1, timeout_ns=int(1e9), stamps=rst)
+    sa, sb = driver.Stream(), driver.Stream()
+    lat = []
+    for i in range(60):
+        sst.fill(0)
+        rst.fill(0)
+        recvk.launch(sa)
+        time.sleep(0.0002)                         # let the receiver start spinning first
+        sender.launch(sb)
+        sa.synchronize()
+        sb.synchronize()
+        s_last = int(sst.download(np.uint64)[1])
+        r_seen = int(rst.download(np.uint64)[1])
+        if i >= 10 and s_last and r_seen:
+            lat.append((r_seen - s_last) / 1000.0)
+    rec = recvk.record()
+    out["signal_latency"] = {"median_us": statistics.median(lat) if lat else None,
+                             "min_us": min(lat) if lat else None, "n": len(lat), "timeouts": rec["timeouts"]}
+    # host overhead: launches from Python with a prebuilt parameter block (an empty send)
+    cfg0 = P3PeerSendConfig.disabled()
+    blk = sender.prepare(cfg0, c, np.array([0, 0], np.int32))
+    t0 = time.perf_counter()
+    n = 2000
+    for _ in range(n):
+        sender.launch(sb, blk)
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    sb.synchronize()
+    out["host"] = {"launch_us": host_us, "n": n}
+    for b in (recv, counts, c, rtab, src, topk, w, outb, sst, rst):
+        b.free()
+    sender.close()
+    recvk.close()
+
+
+def table(out: dict) -> str:
+    L = [f"p3send bench on {out['device']} ({out['sm_count']} SMs), {out['date']}"]
+    if "prefill" in out:
+        p = out["prefill"]
+        L.append(f"\n1. prefill send: {p['rows']} rows x {p['msg_bytes']} B = {p['bytes'] / 1e6:.1f} MB "
+                 "(median us, TB/s counting read+write)")
+        for k, v in p["results"].items():
+            L.append(f"   {k:<20} {v['median_us']:9.1f} us  {v['TBps_rw']:6.2f} TB/s")
+        L.append(f"   send / copy          {p['send_over_copy']:.3f}x   (target <= 1.05)")
+        if "index_copy_over_send" in p:
+            L.append(f"   index_copy_ / send   {p['index_copy_over_send']:.2f}x   (target >= 3)")
+    if "budget" in out:
+        L.append("\n2. SM budget (send, prefill shape)")
+        for n, v in out["budget"].items():
+            L.append(f"   {n:>4} SMs  {v['median_us']:9.1f} us  {v['TBps_rw']:6.2f} TB/s")
+    if "decode" in out:
+        d = out["decode"]
+        L.append(f"\n3. decode round (graph replay): {d['round_us']:.1f} us, copy floor "
+                 f"{d['copy_floor_us']:.1f} us -> {d['round_over_floor']:.2f}x (target <= 1.5)")
+    if "signal_latency" in out:
+        s = out["signal_latency"]
+        L.append(f"\n4. signal latency (last store -> observed): median {s['median_us']:.2f} us, "
+                 f"min {s['min_us']:.2f} us over {s['n']} (target <= 2)")
+    if "host" in out or "decode" in out:
+        h = out.get("host", {})
+        L.append(f"\n5. host: {h.get('launch_us', float('nan')):.2f} us per launch (prebuilt params), "
+                 f"{out.get('decode', {}).get('graph_replay_host_us', float('nan')):.2f} us per graph replay "
+                 "(target <= 10)")
+    for k, v in out.get("extra", {}).items():
+        L.append(f"\n{k}: {v}")
+    return "\n".join(L)
+
+
+def main(args) -> int:
+    ok, why = driver.available()
+    if not ok:
+        print(f"p3send bench: no usable GPU here ({why}); nothing to measure.")
+        return 0
+    args.only = args.only or ["prefill", "budget", "decode", "latency", "host", "epilogue"]
+    dev = driver.device()
+    seed = args.seed if args.seed is not None else int(time.time())
+    rng = np.random.default_rng(seed)
+    torch = _torch()
+    out = {"device": dev.name, "sm_count": dev.sm_count, "cc": dev.cc, "seed": seed,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args).copy()}
+    out["args"].pop("func", None)
+    s = driver.Stream()
+    if "prefill" in args.only or "budget" in args.only:
+        bench_prefill(args, dev, rng, torch, out, s)
+    if "decode" in args.only:
+        bench_decode(args, dev, rng, out)
+    if "latency" in args.only or "host" in args.only:
+        bench_latency(args, dev, out)
+    if "epilogue" in args.only:
+        try:
+            from .epilogue import bench_epilogue
+        except ImportError:
+            bench_epilogue = None
+        if bench_epilogue is not None:
+            bench_epilogue(args, dev, rng, out)
+    text = table(out)
+    print(text)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    print(f"\nwrote {args.json}")
+    return 0

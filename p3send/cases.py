@@ -1,0 +1,323 @@
+"""Case generators shared by tests, the demo and the benchmarks. Numpy only.
+
+``send_case(family, seed)`` builds one rank's send (the single-rank scatter tests);
+``world_case(...)`` builds a consistent EP world (dispatch routing of every rank, the
+owners' C matrices, range tables and src_info) for whole combine rounds.
+Every generator takes an explicit seed, so a failure prints what reproduces it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .abi import P3_MAX_RANKS
+from .layout import encode_range_table
+from .reference import f32_to_bf16
+
+SENTINEL = 0xAB
+#: Vectors per lane per batch in p3_scatter_send (6 x 32 lanes x 16 B): msg_bytes around
+#: multiples of this many bytes exercise the batch edges.
+SEND_BATCH_BYTES = 6 * 32 * 16
+
+
+@dataclass
+class SendCase:
+    """One rank's scatter-send. c: uint8 (rows_total, row_stride); rows outside
+    [expert_offsets[0], expert_offsets[-1]) exist in C but belong to no expert."""
+    name: str
+    seed: int
+    n_ranks: int
+    p2p_world_size: int
+    top_k: int
+    msg_bytes: int
+    max_tokens_per_rank: int
+    my_rank: int
+    expert_offsets: np.ndarray
+    range_table: np.ndarray
+    src_info: np.ndarray
+    c: np.ndarray
+    notes: str = ""
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.expert_offsets) - 1
+
+    @property
+    def row_stride(self) -> int:
+        return self.c.shape[1]
+
+    def __str__(self):
+        return (f"{self.name}[seed={self.seed}: {self.n_experts} experts, {int(self.expert_offsets[-1] - self.expert_offsets[0])} rows, "
+                f"n_ranks={self.n_ranks} p2p={self.p2p_world_size} top_k={self.top_k} msg={self.msg_bytes} "
+                f"max_tok={self.max_tokens_per_rank}{' ' + self.notes if self.notes else ''}]")
+
+
+FAMILIES = ("random", "zero_rows", "one_row", "batch_edges", "row_edges", "primes", "skewed",
+            "masked_experts", "starved_rank", "all_to_rank0", "modulo", "bad_src_info", "unrouted",
+            "offset_base")
+
+
+def _split(rng, total, parts, skew=None):
+    """Random non-negative integers summing to ``total``."""
+    if parts == 1:
+        return np.array([total])
+    w = rng.random(parts) if skew is None else skew
+    w = w / w.sum()
+    out = np.floor(w * total).astype(np.int64)
+    out[rng.integers(parts)] += total - out.sum()
+    return out
+
+
+def _assign_slots(rng, peer_of_row, n_peers, max_tokens, top_k):
+    """Unique (src_idx, src_topk) per peer for every routed row."""
+    si = np.full(len(peer_of_row), -1, dtype=np.int64)
+    sk = np.full(len(peer_of_row), -1, dtype=np.int64)
+    for p in range(n_peers):
+        rows = np.nonzero(peer_of_row == p)[0]
+        if len(rows) > max_tokens * top_k:
+            raise ValueError(f"peer {p} gets {len(rows)} rows but holds {max_tokens * top_k} slots")
+        slots = rng.permutation(max_tokens * top_k)[: len(rows)]
+        si[rows], sk[rows] = slots // top_k, slots % top_k
+    return si, sk
+
+
+def send_case(family: str = "random", seed: int | None = None) -> SendCase:
+    """One rank's send of the given edge family (see FAMILIES), from ``seed``."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {', '.join(FAMILIES)}, got {family!r}")
+    seed = int(np.random.SeedSequence().entropy % (1 << 32)) if seed is None else int(seed)
+    rng = np.random.default_rng(seed)
+    n_ranks = int(rng.integers(1, P3_MAX_RANKS + 1))
+    p2p, top_k = n_ranks, int(rng.integers(1, 9))
+    msg = 16 * int(rng.integers(1, 300))
+    n_exp = int(rng.integers(1, 9))
+    rows_per_expert = rng.integers(0, 120, n_exp)
+    r0, extra, stride_pad = 0, 0, 0
+    rank_skew, notes = None, ""
+    if family == "zero_rows":
+        rows_per_expert[:] = 0
+        r0 = int(rng.integers(0, 5))
+    elif family == "one_row":
+        n_exp, rows_per_expert = 1, np.array([1])
+    elif family == "batch_edges":
+        msg = SEND_BATCH_BYTES * int(rng.integers(1, 4)) + int(rng.choice([-16, 0, 16]))
+    elif family == "row_edges":
+        n_exp = 2
+        rows_per_expert = np.array([int(rng.choice([31, 32, 33, 1023, 1024, 1025])), int(rng.choice([0, 1, 32]))])
+    elif family == "primes":
+        n_exp, n_ranks, top_k, msg = 7, 5, 3, 16 * 13
+        p2p = n_ranks
+        rows_per_expert = np.array([97, 101, 103, 107, 109, 113, 127])
+    elif family == "skewed":
+        n_exp = 6
+        rows_per_expert = np.array([600, 3, 1, 0, 2, 5])
+    elif family == "masked_experts":
+        n_exp = 8
+        rows_per_expert = rng.integers(1, 80, n_exp)
+        rows_per_expert[[0, 3, 4, 7]] = 0
+    elif family == "starved_rank":
+        n_ranks = p2p = max(n_ranks, 2)
+        rank_skew = np.ones(n_ranks)
+        rank_skew[int(rng.integers(n_ranks))] = 0.0
+        notes = "one rank gets no rows"
+    elif family == "all_to_rank0":
+        n_ranks = p2p = max(n_ranks, 2)
+        rank_skew = np.zeros(n_ranks)
+        rank_skew[0] = 1.0
+    elif family == "modulo":
+        n_ranks, p2p = 8, int(rng.integers(1, 8))
+        notes = "ranks fold onto p2p peers"
+    elif family == "offset_base":
+        r0, extra, stride_pad = int(rng.integers(1, 50)), int(rng.integers(1, 20)), 16 * int(rng.integers(1, 4))
+        notes = "C has rows before/after the experts and a padded row stride"
+    rows = int(rows_per_expert.sum())
+    off = np.concatenate([[0], np.cumsum(rows_per_expert)]) + r0
+    counts = np.stack([_split(rng, int(n), n_ranks, rank_skew) for n in rows_per_expert]) \
+        if n_exp else np.zeros((0, n_ranks), np.int64)
+    ready = True
+    if family == "unrouted":
+        # holes: each rank's count is shortened, so trailing rows of each expert belong to nobody
+        counts = np.maximum(counts - rng.integers(0, 4, counts.shape), 0)
+        notes = "range table leaves holes"
+    table = encode_range_table(off, counts, ready=ready)
+    if family == "unrouted" and n_exp > 1:
+        e = int(rng.integers(n_exp))
+        t = table.reshape(n_exp, n_ranks, 2)
+        t[e, :, 0] -= 1024  # this expert's data-ready flag is not set: nothing of it is routed
+        notes += "; one expert not ready"
+    rows_total = int(off[-1]) + extra
+    # the owning rank of each row, as the SPEC resolves it
+    peer = np.full(rows_total, -1, dtype=np.int64)
+    t = table.reshape(max(n_exp, 1) if n_exp else 0, n_ranks, 2).astype(np.int64)
+    for e in range(n_exp):
+        for rk in range(n_ranks):
+            hi = t[e, rk, 0] - 1024
+            lo = hi - t[e, rk, 1]
+            for r in range(max(lo, off[e]), min(hi, off[e + 1])):
+                if peer[r] < 0:
+                    peer[r] = rk % p2p
+    peer_rows = np.bincount(peer[peer >= 0], minlength=p2p)
+    max_tok = int(max(1, -(-int(peer_rows.max(initial=0)) // top_k) + int(rng.integers(1, 9))))
+    si, sk = _assign_slots(rng, peer, p2p, max_tok, top_k)
+    src = np.stack([si, sk], axis=1).astype(np.int32)
+    if family == "bad_src_info" and rows:
+        bad = rng.choice(np.arange(r0, r0 + rows), size=max(1, rows // 5), replace=False)
+        kinds = rng.integers(0, 5, len(bad))
+        src[bad[kinds == 0]] = -1
+        src[bad[kinds == 1], 0] = max_tok
+        src[bad[kinds == 2], 1] = top_k
+        src[bad[kinds == 3], 1] = -1
+        src[bad[kinds == 4], 0] = np.iinfo(np.int32).max
+        notes = f"{len(bad)} rows with out-of-range src_info"
+    c = rng.integers(1, 256, size=(rows_total, msg + stride_pad), dtype=np.uint8)
+    return SendCase(family, seed, n_ranks, p2p, top_k, msg, max_tok, int(rng.integers(n_ranks)),
+                    off.astype(np.int32), table, src, c, notes)
+
+
+# ---------------------------------------------------------------- whole EP worlds
+
+@dataclass
+class RankData:
+    """Everything one rank owns in a combine round.
+
+    Receiving side: topk_idx int32 (tokens, top_k) global expert ids (-1 masked),
+    weights f32 (tokens, top_k). Sending side (as an expert owner): c uint16/bf16 bits
+    (rows, hidden); expert_offsets int32 (n_local+1,); range_table int32; src_info int32
+    (rows, 2); row_src int64 (rows, 3) = (source rank, token, k) of each row.
+    """
+    topk_idx: np.ndarray
+    weights: np.ndarray
+    c: np.ndarray = None
+    expert_offsets: np.ndarray = None
+    range_table: np.ndarray = None
+    src_info: np.ndarray = None
+    row_src: np.ndarray = field(default=None)
+
+
+@dataclass
+class World:
+    seed: int
+    n_ranks: int
+    tokens: int
+    top_k: int
+    n_local: int
+    hidden: int
+    ranks: list
+
+    @property
+    def msg_bytes(self) -> int:
+        return 2 * self.hidden
+
+    def __str__(self):
+        return (f"world[seed={self.seed}: {self.n_ranks} ranks x {self.tokens} tokens, top_k={self.top_k}, "
+                f"{self.n_local} experts/rank, hidden={self.hidden}]")
+
+
+def world_case(n_ranks=4, tokens=64, top_k=4, n_local=4, hidden=256, seed=None, *, masked=0.0,
+               skew=None, starve_rank=None, fill=True) -> World:
+    """A consistent EP world: each rank's tokens pick top_k distinct global experts
+    (``masked`` fraction of slots set to -1; ``skew`` weights experts; ``starve_rank``
+    owns experts no token picks); each owner's C rows are grouped by local expert, then
+    by source rank (rank order within the expert, as the range table requires), then
+    token. C holds random finite bf16 values (never zeros) unless ``fill`` is False."""
+    seed = int(np.random.SeedSequence().entropy % (1 << 32)) if seed is None else int(seed)
+    rng = np.random.default_rng(seed)
+    n_global = n_ranks * n_local
+    if top_k > n_global:
+        raise ValueError(f"top_k {top_k} exceeds the {n_global} experts")
+    p = np.ones(n_global) if skew is None else np.asarray(skew, dtype=np.float64)
+    if starve_rank is not None:
+        p = p.copy()
+        p[starve_rank * n_local:(starve_rank + 1) * n_local] = 0
+    p = p / p.sum()
+    ranks = []
+    for s in range(n_ranks):
+        idx = np.stack([rng.choice(n_global, size=top_k, replace=False, p=p) for _ in range(tokens)]) \
+            if tokens else np.zeros((0, top_k), np.int64)
+        if masked:
+            idx[rng.random(idx.shape) < masked] = -1
+        w = rng.random((tokens, top_k)).astype(np.float32)
+        ranks.append(RankData(idx.astype(np.int32), w))
+    for o in range(n_ranks):
+        rows_src, counts = [], np.zeros((n_local, n_ranks), dtype=np.int64)
+        for e in range(n_local):
+            g = o * n_local + e
+            for s in range(n_ranks):
+                t, k = np.nonzero(ranks[s].topk_idx == g)
+                rows_src.extend((s, int(tt), int(kk)) for tt, kk in zip(t, k))
+                counts[e, s] = len(t)
+        rs = np.array(rows_src, dtype=np.int64).reshape(-1, 3)
+        off = np.concatenate([[0], np.cumsum(counts.sum(axis=1))]).astype(np.int32)
+        r = ranks[o]
+        r.row_src, r.expert_offsets = rs, off
+        r.range_table = encode_range_table(off, counts)
+        r.src_info = rs[:, 1:].astype(np.int32).reshape(-1, 2)
+        if fill:
+            vals = rng.standard_normal((len(rs), hidden)).astype(np.float32)
+            vals[vals == 0] = 1.0
+            r.c = f32_to_bf16(vals)
+        else:
+            r.c = np.zeros((len(rs), hidden), dtype=np.uint16)
+    return World(seed, n_ranks, tokens, top_k, n_local, hidden, ranks)
+
+
+def world_recv_expected(world: World, rank: int, base: np.ndarray) -> np.ndarray:
+    """rank's receive buffer after every owner's send: ``base`` (flat uint8, the
+    pre-filled buffer) with slot (t, k) = the owner's C row for (rank, t, k)."""
+    out = base.copy()
+    m = world.msg_bytes
+    view = out.reshape(-1, m)
+    for o, r in enumerate(world.ranks):
+        mine = np.nonzero(r.row_src[:, 0] == rank)[0]
+        slots = r.row_src[mine, 1] * world.top_k + r.row_src[mine, 2]
+        view[slots] = r.c[mine].view(np.uint8).reshape(len(mine), m)
+    return out
+
+
+def world_counts_expected(world: World, rank: int) -> np.ndarray:
+    """rank's receive counts after a round: [e*n_ranks + o] = rows owner o's local expert e sent to rank."""
+    cnt = np.zeros(world.n_local * world.n_ranks, dtype=np.uint64)
+    for o, r in enumerate(world.ranks):
+        off = r.expert_offsets
+        for e in range(world.n_local):
+            cnt[e * world.n_ranks + o] = int((r.row_src[off[e]:off[e + 1], 0] == rank).sum())
+    return cnt
+
+
+def check_world(world: World, recv_of, out_of, guard: int = 0, recv_bytes: int | None = None) -> list[str]:
+    """Compare a finished round with the oracle. recv_of(r): rank r's receive buffer bytes
+    (flat uint8, with ``guard`` sentinel bytes on each side); out_of(r): rank r's output,
+    bf16 bits (tokens, hidden). Returns one line per problem (empty = verified):
+    receive buffers byte for byte (unowned slots and guards must hold the sentinel), the
+    reduce within bf16 rounding of the float64 reference."""
+    from . import reference as ref
+    problems = []
+    m = world.msg_bytes
+    for r in range(world.n_ranks):
+        got = recv_of(r)
+        inner_len = len(got) - 2 * guard if recv_bytes is None else recv_bytes
+        want = np.full(len(got), SENTINEL, np.uint8)
+        want[guard:guard + inner_len] = world_recv_expected(world, r, want[guard:guard + inner_len])
+        bad = np.nonzero(got != want)[0]
+        if len(bad):
+            i = int(bad[0])
+            problems.append(f"rank {r}: receive buffer differs in {len(bad)} bytes, first at byte {i - guard} "
+                            f"(slot {(i - guard) // m}): got {got[i]:#04x}, want {want[i]:#04x}")
+            continue
+        d = world.ranks[r]
+        inner = got[guard:guard + inner_len]
+        ref64 = ref.reduce(inner, d.topk_idx, d.weights, world.n_local, world.n_ranks, m)
+        valid = ref.slot_pairs(d.topk_idx, world.n_local, world.n_ranks) >= 0
+        vals = ref.bf16_to_f32(inner[: world.tokens * world.top_k * m].view(np.uint16)
+                               .reshape(world.tokens, world.top_k, -1)).astype(np.float64)
+        absw = np.where(valid, np.abs(d.weights.astype(np.float64)), 0.0)
+        absmax = np.einsum("tk,tkh->th", absw, np.abs(np.where(valid[..., None], vals, 0.0)))
+        out = out_of(r)
+        ok = ref.bf16_close(out, ref64, world.top_k, absmax)
+        if not ok.all():
+            t, h = (int(x) for x in np.argwhere(~ok)[0])
+            problems.append(f"rank {r}: reduce outside bf16 rounding at {int((~ok).sum())} of {ok.size} values, "
+                            f"first (token {t}, element {h}): got {float(ref.bf16_to_f32(out[t, h])):.6g}, "
+                            f"want {ref64[t, h]:.6g}")
+    return problems

@@ -1,0 +1,259 @@
+"""The EP combine round for R ranks on one GPU (every rank's buffers are local
+allocations and all ranks run in this process).
+
+A round = every rank's ``p3_scatter_send`` (with the fused arrival signal) into the
+peers' receive buffers, then every rank's ``p3_recv_reduce`` (bounded wait, top-k
+reduce, re-arm). On one GPU each receive is ordered after all sends by events: a
+spinning receiver could otherwise hold the SMs the senders need (docs/PROTOCOL.md,
+"Scheduling on one GPU"). Rounds are replay-safe: nothing is reset from the host
+between rounds or graph replays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import driver
+from .abi import P3_MAX_RANKS, P3PeerSendConfig
+from .errors import ArrivalTimeout, ConfigError
+from .kernels import RecvReduce, ScatterSend
+from .layout import recv_buf_bytes
+
+#: Bytes of sentinel-filled guard before and after each receive buffer when asked for.
+GUARD = 4096
+
+
+class Combine:
+    """Owns, for each of ``n_ranks`` ranks: its receive buffer and counts, C and the
+    routing inputs (range table, src_info, expert offsets), topk_idx/weights/out,
+    stamps, and the send/receive launchers; builds each rank's P3PeerSendConfig.
+
+    Shapes: C of rank r is bf16 (rows_r, hidden) with rows_r <= max_rows; topk_idx int32
+    and weights f32 (tokens, top_k); out bf16 (tokens, hidden).
+    """
+
+    def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
+                 max_rows: int | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
+                 guard: bool = False, stamps: bool = True, num_sms: int | None = None, row_cache: bool = False):
+        problems = []
+        if not (1 <= n_ranks <= P3_MAX_RANKS):
+            problems.append(f"n_ranks: expected 1..{P3_MAX_RANKS}, got {n_ranks}")
+        if hidden <= 0 or hidden % 8:
+            problems.append(f"hidden: expected a positive multiple of 8 bf16 elements, got {hidden}")
+        if not (1 <= top_k <= 32):
+            problems.append(f"top_k: expected 1..32, got {top_k}")
+        if max_tokens < 0:
+            problems.append(f"max_tokens: expected >= 0, got {max_tokens}")
+        if n_local_experts < 1:
+            problems.append(f"n_local_experts: expected >= 1, got {n_local_experts}")
+        if timeout_ms <= 0:
+            problems.append(f"timeout_ms: expected > 0, got {timeout_ms}")
+        if problems:
+            raise ConfigError(problems, "Combine")
+        self.dev = device or driver.device()
+        self.n_ranks, self.max_tokens, self.top_k, self.hidden = n_ranks, max_tokens, top_k, hidden
+        self.n_local, self.msg = n_local_experts, 2 * hidden
+        self.max_rows = max_rows if max_rows is not None else max_tokens * top_k * n_ranks
+        self.timeout_ns = int(timeout_ms * 1e6)
+        self.guard = GUARD if guard else 0
+        self.row_cache = row_cache
+        self.recv_bytes = recv_buf_bytes(max_tokens, top_k, self.msg)
+        n_slots = n_local_experts * n_ranks
+        R = range(n_ranks)
+        self._bufs = []
+        alloc = lambda n, fill=None: self._keep(driver.DeviceBuffer(n, fill=fill))  # noqa: E731
+        self.recv_alloc = [alloc(self.recv_bytes + 2 * self.guard, 0xAB) for _ in R]
+        self.counts = [alloc(8 * n_slots, 0xFF) for _ in R]
+        self.c = [alloc(max(self.max_rows, 1) * self.msg) for _ in R]
+        self.offs = [alloc(4 * (n_local_experts + 1), 0) for _ in R]
+        self.rtab = [alloc(8 * n_slots, 0) for _ in R]
+        self.src_info = [alloc(8 * max(self.max_rows, 1), 0xFF) for _ in R]
+        self.row_base = [alloc(8 * max(self.max_rows, 1), 0) if row_cache else None for _ in R]
+        self.topk_idx = [alloc(4 * max(max_tokens * top_k, 1), 0xFF) for _ in R]
+        self.weights = [alloc(4 * max(max_tokens * top_k, 1), 0) for _ in R]
+        self.out = [alloc(max(max_tokens, 1) * self.msg, 0) for _ in R]
+        self.senders = [ScatterSend(n_local_experts, device=self.dev, num_sms=num_sms) for _ in R]
+        self.receivers = [RecvReduce(device=self.dev, max_ctas=max(1, 4 * self.dev.sm_count // n_ranks))
+                          for _ in R]
+        self.send_stamps = [alloc(16 * self.senders[r].grid, 0) if stamps else None for r in R]
+        self.recv_stamps = [alloc(32 * self.receivers[r].max_ctas, 0) if stamps else None for r in R]
+        self.streams = [driver.Stream() for _ in R]
+        self.origin = driver.Stream()
+        self.sent = [driver.Event(timing=False) for _ in R]
+        self.done = [driver.Event(timing=False) for _ in R]
+        self.fork = driver.Event(timing=False)
+        self.stamps_on = stamps
+        self.tokens = [0] * n_ranks
+        self.cfgs = [self._config(r) for r in R]
+
+    def _keep(self, buf):
+        self._bufs.append(buf)
+        return buf
+
+    def recv_ptr(self, r: int) -> int:
+        return self.recv_alloc[r].ptr + self.guard
+
+    def _config(self, r: int) -> P3PeerSendConfig:
+        cfg = P3PeerSendConfig.disabled()
+        cfg.atomic_counter = self.rtab[r].ptr
+        cfg.src_info_ptr = self.src_info[r].ptr
+        if self.row_base[r] is not None:
+            cfg.row_base_ptr = self.row_base[r].ptr
+        cfg.recv_buf_ptrs = [self.recv_ptr(p) if p < self.n_ranks else 0x1 for p in range(P3_MAX_RANKS)]
+        cfg.n_ranks = cfg.p2p_world_size = self.n_ranks
+        cfg.top_k, cfg.msg_bytes = self.top_k, self.msg
+        cfg.max_tokens_per_rank, cfg.my_rank = self.max_tokens, r
+        if self.send_stamps[r] is not None:
+            cfg.send_stamp_ptr, cfg.send_stamp_on = self.send_stamps[r].ptr, 1
+        return cfg
+
+    # ------------------------------------------------------------ inputs
+    def set_rank(self, r: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights) -> None:
+        """Upload rank r's inputs (numpy). c: bf16 bits uint16 (rows, hidden); expert_offsets
+        int32 (n_local+1,) starting at 0; range_table int32 (n_local*n_ranks*2,); src_info int32
+        (rows, 2); topk_idx int32 (tokens, top_k); weights f32 (tokens, top_k)."""
+        c = np.ascontiguousarray(c).view(np.uint16)
+        rows = c.shape[0]
+        off = np.asarray(expert_offsets, dtype=np.int32)
+        tk = np.asarray(topk_idx, dtype=np.int32)
+        problems = []
+        if c.ndim != 2 or c.shape[1] != self.hidden:
+            problems.append(f"c: expected (rows, {self.hidden}) bf16, got shape {c.shape}")
+        if rows > self.max_rows:
+            problems.append(f"c: {rows} rows exceed max_rows {self.max_rows}")
+        if off.shape != (self.n_local + 1,) or off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != rows:
+            problems.append(f"expert_offsets: expected {self.n_local + 1} non-decreasing values from 0 to "
+                            f"rows ({rows}), got {off.tolist()[:12]}")
+        if np.asarray(range_table).size != 2 * self.n_local * self.n_ranks:
+            problems.append(f"range_table: expected {2 * self.n_local * self.n_ranks} int32, got {np.asarray(range_table).size}")
+        if np.asarray(src_info).shape != (rows, 2):
+            problems.append(f"src_info: expected ({rows}, 2) int32, got {np.asarray(src_info).shape}")
+        if tk.ndim != 2 or tk.shape[1] != self.top_k or tk.shape[0] > self.max_tokens:
+            problems.append(f"topk_idx: expected (tokens <= {self.max_tokens}, {self.top_k}), got {tk.shape}")
+        if np.asarray(weights).shape != tk.shape:
+            problems.append(f"weights: expected shape {tk.shape}, got {np.asarray(weights).shape}")
+        if problems:
+            raise ConfigError(problems, f"rank {r} inputs")
+        self.c[r].upload(c)
+        self.offs[r].upload(off)
+        self.rtab[r].upload(np.asarray(range_table, dtype=np.int32))
+        self.src_info[r].upload(np.asarray(src_info, dtype=np.int32))
+        self.topk_idx[r].upload(tk)
+        self.weights[r].upload(np.asarray(weights, dtype=np.float32))
+        self.tokens[r] = tk.shape[0]
+        self._prepare(r)
+
+    def load_world(self, world) -> None:
+        """Upload a ``cases.World`` (every rank's inputs)."""
+        for r, d in enumerate(world.ranks):
+            self.set_rank(r, c=d.c, expert_offsets=d.expert_offsets, range_table=d.range_table,
+                          src_info=d.src_info, topk_idx=d.topk_idx, weights=d.weights)
+
+    def refill_c(self, r: int, c) -> None:
+        """Replace rank r's C values in place (same routing), e.g. between graph replays."""
+        self.c[r].upload(np.ascontiguousarray(c).view(np.uint16))
+
+    def _prepare(self, r: int) -> None:
+        self.senders[r].prepare(self.cfgs[r], self.c[r], self.offs[r], count_ptrs=[self.counts[p] for p in range(self.n_ranks)],
+                                row_cache=self.row_cache, rows_in_c=self.max_rows)
+        self.receivers[r].prepare(self.cfgs[r], self.recv_ptr(r), self.counts[r], self.topk_idx[r], self.weights[r],
+                                  self.out[r], n_tokens=self.tokens[r], n_experts=self.n_local,
+                                  timeout_ns=self.timeout_ns, stamps=self.recv_stamps[r])
+
+    # ------------------------------------------------------------ the round
+    def enqueue(self, skip_send=(), send=True, receive=True) -> None:
+        """Enqueue one round (or only its sends / only its receives) on the rank
+        streams, forked from and joined into ``origin``."""
+        self.fork.record(self.origin)
+        for r in range(self.n_ranks):
+            s = self.streams[r]
+            s.wait(self.fork)
+            if not send:
+                continue
+            if self.row_base[r] is not None:
+                self.row_base[r].fill(0, s)
+            if self.stamps_on:  # stamps describe the latest round only
+                self.send_stamps[r].fill(0, s)
+                self.recv_stamps[r].fill(0, s)
+            if r not in skip_send:
+                self.senders[r].launch(s)
+            self.sent[r].record(s)
+        for r in range(self.n_ranks if receive else 0):
+            s = self.streams[r]
+            if send:
+                for p in range(self.n_ranks):
+                    if p != r:
+                        s.wait(self.sent[p])
+            self.receivers[r].launch(s)
+        for r in range(self.n_ranks):
+            self.origin.wait(self.done[r].record(self.streams[r]))
+
+    def round(self, skip_send=(), send=True, receive=True) -> None:
+        """Run one round and check it: raises ArrivalTimeout naming every missing
+        (rank, expert, source rank) pair; the counts are then re-armed so the next round
+        starts clean. ``skip_send`` leaves those ranks' sends out (tests a dead rank);
+        ``send``/``receive`` run one half (to inspect the counts in between)."""
+        self.enqueue(skip_send, send, receive)
+        self.origin.synchronize()
+        if receive:
+            self.check()
+
+    def counts_view(self, r: int) -> np.ndarray:
+        """Rank r's receive counts, uint64 [n_local*n_ranks] (all-ones = not arrived)."""
+        return self.counts[r].download(np.uint64)
+
+    def check(self) -> None:
+        missing, record = [], None
+        for r in range(self.n_ranks):
+            rec = self.receivers[r].record()
+            if rec["rejected"]:
+                raise ConfigError([f"rank {r}: the receive kernel rejected its configuration"], "receive")
+            if rec["timeouts"]:
+                record = record or rec
+                cnt = self.counts[r].download(np.uint64)
+                for slot in np.nonzero(cnt == np.uint64(0xFFFF_FFFF_FFFF_FFFF))[0]:
+                    missing.append((r, int(slot) // self.n_ranks, int(slot) % self.n_ranks))
+        if missing or record:
+            for r in range(self.n_ranks):
+                self.counts[r].fill(0xFF)
+            raise ArrivalTimeout(missing, record, self.timeout_ns)
+
+    def capture(self) -> driver.Graph:
+        """A CUDA graph of one round; replay with ``graph.launch(combine.origin)``."""
+        with driver.Graph.capture(self.origin, self.streams) as cap:
+            self.enqueue()
+        return cap.graph
+
+    # ------------------------------------------------------------ results
+    def output(self, r: int) -> np.ndarray:
+        """Rank r's reduced output, bf16 bits uint16 (tokens, hidden)."""
+        return self.out[r].download(np.uint16, shape=(self.tokens[r], self.hidden))
+
+    def recv_view(self, r: int, with_guard: bool = False) -> np.ndarray:
+        """Rank r's receive buffer bytes (unreduced (max_tokens, top_k, msg_bytes) as flat uint8)."""
+        raw = self.recv_alloc[r].download()
+        return raw if with_guard else raw[self.guard:self.guard + self.recv_bytes]
+
+    def timeline(self) -> dict:
+        """Stamps of the last round: per rank, send (first, last) per CTA and receive
+        (start, last wait done, end, tokens) per CTA, in %globaltimer ns."""
+        out = {}
+        for r in range(self.n_ranks):
+            if self.send_stamps[r] is None:
+                continue
+            s = self.send_stamps[r].download(np.uint64).reshape(-1, 2)
+            v = self.recv_stamps[r].download(np.uint64).reshape(-1, 4)[: self.receivers[r].grid]
+            out[r] = {"send": s.tolist(), "recv": v.tolist()}
+        return out
+
+    def close(self) -> None:
+        for s in self.senders:
+            s.close()
+        for rv in self.receivers:
+            rv.close()
+        for b in self._bufs:
+            b.free()
+        for s in self.streams + [self.origin]:
+            s.close()
+        for ev in self.sent + self.done + [self.fork]:
+            ev.close()
+        self._bufs = []

@@ -1,0 +1,433 @@
+"""The one seam to the CUDA driver: every ``cuda.bindings.driver`` call lives here.
+
+Importing this module does not touch CUDA; the first call that needs the driver runs
+``cuInit`` (lazily, once). Each driver call goes through ``call()``, which turns a
+non-success ``CUresult`` into ``CudaError`` (``ContextLostError`` for sticky errors)
+naming the call, the error name and code, and the driver's explanation.
+
+Threading: the primary context of the chosen device is made current on the thread
+that first asks for the device; use one thread per device (or call ``activate``).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import numpy as np
+
+from .errors import ContextLostError, CudaError, NoDeviceError
+
+# Errors after which the context is unusable (CUDA docs: "the process must be terminated").
+_STICKY = {214, 700, 701, 702, 710, 714, 715, 716, 717, 718, 719, 720, 999}
+
+
+@functools.lru_cache(maxsize=None)
+def _cu():
+    """The driver module, initialised once. Raises NoDeviceError without a driver/GPU."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:  # cuda-bindings not installed
+        raise NoDeviceError(f"cuda-bindings is not installed ({e}); pip install 'cuda-bindings>=12.9,<14'") from e
+    try:
+        err, = cu.cuInit(0)
+    except RuntimeError as e:  # cuda.pathfinder: libcuda.so not found (no driver)
+        raise NoDeviceError(f"no CUDA driver on this machine: {e}") from e
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise NoDeviceError(f"cuInit failed: {_err_name(cu, err)} ({int(err)}): {_err_str(cu, err)}")
+    return cu
+
+
+def _err_name(cu, err) -> str:
+    r = cu.cuGetErrorName(err)
+    return r[1].decode() if r[0] == cu.CUresult.CUDA_SUCCESS and r[1] else f"CUresult {int(err)}"
+
+
+def _err_str(cu, err) -> str:
+    r = cu.cuGetErrorString(err)
+    return r[1].decode() if r[0] == cu.CUresult.CUDA_SUCCESS and r[1] else ""
+
+
+def call(name: str, *args, log: str = ""):
+    """Call ``cuda.bindings.driver.<name>(*args)``; return its outputs (None, one value
+    or a tuple) or raise CudaError naming the call."""
+    cu = _cu()
+    res = getattr(cu, name)(*args)
+    err, out = res[0], res[1:]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        code = int(err)
+        cls = ContextLostError if code in _STICKY else CudaError
+        expl = _err_str(cu, err)
+        if cls is ContextLostError:
+            expl += " [sticky error: this CUDA context is lost; restart the process]"
+        raise cls(name, _err_name(cu, err), code, expl, log)
+    return None if not out else (out[0] if len(out) == 1 else out)
+
+
+def available() -> tuple[bool, str]:
+    """(True, description) when a usable GPU is present, else (False, the reason)."""
+    try:
+        n = call("cuDeviceGetCount")
+    except (NoDeviceError, CudaError) as e:
+        return False, str(e)
+    if n < 1:
+        return False, "the CUDA driver reports no GPU"
+    return True, f"{n} GPU(s)"
+
+
+def device_count() -> int:
+    return call("cuDeviceGetCount")
+
+
+class Device:
+    """A GPU and its primary context (retained for the life of the process)."""
+
+    def __init__(self, ordinal: int = 0):
+        cu = _cu()
+        n = call("cuDeviceGetCount")
+        if not (0 <= ordinal < n):
+            raise NoDeviceError(f"device {ordinal} requested, the driver reports {n} GPU(s)")
+        self.ordinal = ordinal
+        self.handle = call("cuDeviceGet", ordinal)
+        self.context = call("cuDevicePrimaryCtxRetain", self.handle)
+        self.activate()
+        A = cu.CUdevice_attribute
+        attr = lambda a: call("cuDeviceGetAttribute", a, self.handle)  # noqa: E731
+        self.cc = (attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                   attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+        self.sm_count = attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.l2_bytes = attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        self.smem_optin = attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        self.smem_per_sm = attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+        self.name = call("cuDeviceGetName", 256, self.handle).split(b"\0")[0].decode()
+
+    def activate(self) -> None:
+        call("cuCtxSetCurrent", self.context)
+
+    def synchronize(self) -> None:
+        self.activate()
+        call("cuCtxSynchronize")
+
+    def can_access_peer(self, other: "Device") -> bool:
+        return bool(call("cuDeviceCanAccessPeer", self.handle, other.handle))
+
+    def enable_peer_access(self, other: "Device") -> None:
+        """Let kernels on this device access ``other``'s memory (idempotent)."""
+        if other.ordinal == self.ordinal:
+            return
+        if not self.can_access_peer(other):
+            raise CudaError("cuDeviceCanAccessPeer", "PEER_ACCESS_UNSUPPORTED", 0,
+                            f"GPU {self.ordinal} cannot reach GPU {other.ordinal} by P2P "
+                            "(no NVLink/PCIe P2P path); p3send needs direct peer access")
+        self.activate()
+        try:
+            call("cuCtxEnablePeerAccess", other.context, 0)
+        except CudaError as e:
+            if e.name != "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED":
+                raise
+
+    def __repr__(self):
+        return f"Device({self.ordinal}: {self.name}, sm_{self.cc[0]}{self.cc[1]}, {self.sm_count} SMs)"
+
+
+_devices: dict[int, Device] = {}
+
+
+def device(ordinal: int | None = None) -> Device:
+    """The Device for ``ordinal`` (default: $P3SEND_DEVICE or 0), created once, made current."""
+    if ordinal is None:
+        ordinal = int(os.environ.get("P3SEND_DEVICE", "0"))
+    dev = _devices.get(ordinal)
+    if dev is None:
+        dev = _devices[ordinal] = Device(ordinal)
+    else:
+        dev.activate()
+    return dev
+
+
+class Stream:
+    """A non-blocking stream (or the legacy default stream when ``null``)."""
+
+    def __init__(self, null: bool = False):
+        cu = _cu()
+        self.handle = cu.CUstream(0) if null else call("cuStreamCreate", 1)  # CU_STREAM_NON_BLOCKING
+        self._owned = not null
+
+    def synchronize(self) -> None:
+        call("cuStreamSynchronize", self.handle)
+
+    def wait(self, event: "Event") -> None:
+        call("cuStreamWaitEvent", self.handle, event.handle, 0)
+
+    def close(self) -> None:
+        if self._owned:
+            self._owned = False
+            call("cuStreamDestroy", self.handle)
+
+    def __int__(self):
+        return int(self.handle)
+
+
+class Event:
+    def __init__(self, timing: bool = True):
+        self.handle = call("cuEventCreate", 0 if timing else 2)  # 2 = CU_EVENT_DISABLE_TIMING
+
+    def record(self, stream: Stream) -> "Event":
+        call("cuEventRecord", self.handle, stream.handle)
+        return self
+
+    def synchronize(self) -> None:
+        call("cuEventSynchronize", self.handle)
+
+    def elapsed_ms(self, end: "Event") -> float:
+        return call("cuEventElapsedTime", self.handle, end.handle)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            call("cuEventDestroy", self.handle)
+            self.handle = None
+
+
+class DeviceBuffer:
+    """A device allocation (``cuMemAlloc``, 256-byte aligned) with numpy copies in and out.
+
+    Exposes ``__cuda_array_interface__`` (as bytes) so torch/cupy can view it.
+    """
+
+    def __init__(self, nbytes: int, *, fill: int | None = None, stream: Stream | None = None):
+        if nbytes < 0:
+            raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
+        self.nbytes = int(nbytes)
+        self._ptr = call("cuMemAlloc", max(self.nbytes, 1))
+        self.ptr = int(self._ptr)
+        if fill is not None:
+            self.fill(fill, stream)
+
+    @classmethod
+    def from_array(cls, arr, stream: Stream | None = None) -> "DeviceBuffer":
+        arr = np.ascontiguousarray(arr)
+        buf = cls(arr.nbytes)
+        buf.upload(arr, stream)
+        return buf
+
+    def _check(self, nbytes: int, offset: int) -> None:
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"copy of {nbytes} bytes at offset {offset} exceeds the {self.nbytes}-byte buffer")
+
+    def upload(self, arr, stream: Stream | None = None, offset: int = 0) -> None:
+        arr = np.ascontiguousarray(arr)
+        self._check(arr.nbytes, offset)
+        if arr.nbytes:
+            # host addresses as ints: the one form every cuda-bindings version accepts
+            call("cuMemcpyHtoD", self.ptr + offset, arr.ctypes.data, arr.nbytes) if stream is None else \
+                call("cuMemcpyHtoDAsync", self.ptr + offset, arr.ctypes.data, arr.nbytes, stream.handle)
+            if stream is not None:
+                stream.synchronize()  # the host array may go away; keep uploads simple and safe
+
+    def download(self, dtype=np.uint8, shape=None, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        if nbytes is None:
+            nbytes = self.nbytes - offset if shape is None else int(np.prod(shape)) * dtype.itemsize
+        self._check(nbytes, offset)
+        out = np.empty(nbytes // dtype.itemsize, dtype=dtype)
+        if nbytes:
+            call("cuMemcpyDtoH", out.ctypes.data, self.ptr + offset, nbytes)
+        return out if shape is None else out.reshape(shape)
+
+    def fill(self, byte: int, stream: Stream | None = None, offset: int = 0, nbytes: int | None = None) -> None:
+        n = self.nbytes - offset if nbytes is None else nbytes
+        self._check(n, offset)
+        if n:
+            call("cuMemsetD8Async", self.ptr + offset, byte & 0xFF, n, (stream or _null()).handle)
+            if stream is None:
+                call("cuCtxSynchronize")
+
+    def copy_from(self, src: "DeviceBuffer", stream: Stream, nbytes: int | None = None) -> None:
+        n = min(self.nbytes, src.nbytes) if nbytes is None else nbytes
+        call("cuMemcpyDtoDAsync", self.ptr, src.ptr, n, stream.handle)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
+                "strides": None}
+
+    def free(self) -> None:
+        if self._ptr is not None:
+            call("cuMemFree", self._ptr)
+            self._ptr, self.ptr = None, 0
+
+    def __int__(self):
+        return self.ptr
+
+
+_null_stream = None
+
+
+def _null() -> Stream:
+    global _null_stream
+    if _null_stream is None:
+        _null_stream = Stream(null=True)
+    return _null_stream
+
+
+def device_ptr(obj, what: str = "buffer") -> int:
+    """The device address of a p3send DeviceBuffer, an int, or any object exposing
+    ``__cuda_array_interface__`` (torch, cupy, numba) or ``data_ptr()``."""
+    if isinstance(obj, DeviceBuffer):
+        return obj.ptr
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return int(cai["data"][0])
+    if hasattr(obj, "data_ptr"):
+        return int(obj.data_ptr())
+    raise TypeError(f"{what}: expected a DeviceBuffer, a device address (int) or an object with "
+                    f"__cuda_array_interface__, got {type(obj).__name__}")
+
+
+# ---------------------------------------------------------------- modules and launches
+
+def load_module(ptx: str | bytes, name: str = "<ptx>"):
+    """JIT-load PTX; return (CUmodule, info_log). A bad PTX raises CudaError whose log
+    holds ptxas' message (with the line) prefixed by ``name``."""
+    cu = _cu()
+    data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+    info, error = bytearray(1 << 16), bytearray(1 << 16)
+    J = cu.CUjit_option
+    opts = [J.CU_JIT_INFO_LOG_BUFFER, J.CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+            J.CU_JIT_ERROR_LOG_BUFFER, J.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, J.CU_JIT_LOG_VERBOSE]
+    vals = [info, len(info), error, len(error), 1]
+    res = cu.cuModuleLoadDataEx(data + b"\0", len(opts), opts, vals)
+    text = lambda b: bytes(b).split(b"\0", 1)[0].decode(errors="replace")  # noqa: E731
+    if res[0] != cu.CUresult.CUDA_SUCCESS:
+        log = f"[{name}]\n" + text(error)
+        raise CudaError("cuModuleLoadDataEx", _err_name(cu, res[0]), int(res[0]), _err_str(cu, res[0]), log)
+    return res[1], text(info)
+
+
+def get_function(module, name: str):
+    return call("cuModuleGetFunction", module, name.encode())
+
+
+def param_info(func) -> list[tuple[int, int]]:
+    """(offset, size) of each kernel parameter, as the driver lays them out."""
+    out = []
+    cu = _cu()
+    for i in range(64):
+        res = cu.cuFuncGetParamInfo(func, i)
+        if res[0] != cu.CUresult.CUDA_SUCCESS:
+            break
+        out.append((int(res[1]), int(res[2])))
+    return out
+
+
+def func_attribute(func, name: str) -> int:
+    cu = _cu()
+    return call("cuFuncGetAttribute", getattr(cu.CUfunction_attribute, "CU_FUNC_ATTRIBUTE_" + name), func)
+
+
+def set_max_dynamic_smem(func, nbytes: int) -> None:
+    cu = _cu()
+    call("cuFuncSetAttribute", func,
+         cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+
+
+def occupancy(func, block: int, smem: int = 0) -> int:
+    return call("cuOccupancyMaxActiveBlocksPerMultiprocessor", func, block, smem)
+
+
+def launch(func, grid, block, smem: int, stream: Stream, param_addrs: np.ndarray, name: str = "kernel") -> None:
+    """Launch with a prebuilt array of parameter addresses (np.uint64, one per parameter,
+    each pointing at a live ctypes object holding the value)."""
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+    bx, by, bz = (tuple(block) + (1, 1))[:3]
+    try:
+        call("cuLaunchKernel", func, gx, gy, gz, bx, by, bz, smem, stream.handle, param_addrs, 0)
+    except CudaError as e:
+        e.args = (f"{e.args[0]} [launching {name} grid={grid} block={block} smem={smem}]",)
+        raise
+
+
+class Graph:
+    """A captured sequence of launches on one or more streams, replayed with ``launch``.
+
+    Capture with ``Graph.capture(origin, others)`` as a context manager: the other
+    streams fork from and join back into ``origin``.
+    """
+
+    def __init__(self, exec_handle, graph_handle):
+        self.exec, self.graph = exec_handle, graph_handle
+
+    @staticmethod
+    def capture(origin: Stream, others=()):
+        return _Capture(origin, list(others))
+
+    def launch(self, stream: Stream) -> None:
+        call("cuGraphLaunch", self.exec, stream.handle)
+
+    def close(self) -> None:
+        if self.exec is not None:
+            call("cuGraphExecDestroy", self.exec)
+            call("cuGraphDestroy", self.graph)
+            self.exec = self.graph = None
+
+
+class _Capture:
+    def __init__(self, origin, others):
+        self.origin, self.others, self.graph = origin, others, None
+
+    def __enter__(self):
+        cu = _cu()
+        call("cuStreamBeginCapture", self.origin.handle,
+             cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        fork = Event(timing=False).record(self.origin)
+        for s in self.others:
+            s.wait(fork)
+        self._events = [fork]
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        for s in self.others:
+            ev = Event(timing=False).record(s)
+            self.origin.wait(ev)
+            self._events.append(ev)
+        try:
+            g = call("cuStreamEndCapture", self.origin.handle)
+        except CudaError:
+            if exc_type is None:
+                raise
+            return False
+        if exc_type is not None:
+            call("cuGraphDestroy", g)
+            return False
+        self.graph = Graph(call("cuGraphInstantiate", g, 0), g)
+        for ev in self._events:
+            ev.close()
+        return False
+
+
+def ipc_get_handle(buf: DeviceBuffer) -> bytes:
+    """Legacy CUDA IPC handle of a cuMemAlloc allocation, as 64 bytes."""
+    h = call("cuIpcGetMemHandle", buf.ptr)
+    return ctypes.string_at(h.getPtr(), 64)  # opaque in cuda-bindings >= 13.4: copy the raw bytes
+
+
+def ipc_open_handle(handle: bytes) -> int:
+    """Map a peer process's allocation; returns its address in this process."""
+    cu = _cu()
+    h = cu.CUipcMemHandle()
+    ctypes.memmove(h.getPtr(), bytes(handle), 64)
+    return int(call("cuIpcOpenMemHandle", h, 1))  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+
+
+def ipc_close(ptr: int) -> None:
+    call("cuIpcCloseMemHandle", ptr)
+
+
+def memcpy_peer(dst: int, dst_dev: Device, src: int, src_dev: Device, nbytes: int, stream: Stream) -> None:
+    call("cuMemcpyPeerAsync", dst, dst_dev.context, src, src_dev.context, nbytes, stream.handle)
+
+
+def memcpy_dtod(dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    call("cuMemcpyDtoDAsync", dst, src, nbytes, stream.handle)

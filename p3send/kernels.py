@@ -1,0 +1,386 @@
+"""Load p3send's PTX through the driver, check each entry's parameters against its
+documented table before any launch, and launch with prebuilt parameter blocks.
+
+Typed launchers for the shipped kernels live here too (``ScatterSend``,
+``RecvReduce``, ``abi_echo``); ``combine.py`` builds on them.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from . import driver, ptxdoc
+from .abi import P3_MAX_RANKS, P3PeerSendConfig, validate
+from .errors import ConfigError, P3SendError, ParamMismatchError
+
+FLAG_ROW_CACHE = 1
+FLAG_SIGNAL = 2
+
+
+class PeerPtrs(ctypes.LittleEndianStructure):
+    """``u64[8]`` passed by value (e.g. ``count_ptrs``)."""
+    _fields_ = [("p", ctypes.c_uint64 * P3_MAX_RANKS)]
+
+
+_CTYPES = {"u64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32,
+           "s32": ctypes.c_int32, "f32": ctypes.c_float, "P3PeerSendConfig": P3PeerSendConfig,
+           "u64[8]": PeerPtrs}
+
+
+def ptx_dir() -> Path:
+    from .ptxcheck import ptx_dir as _d
+    return _d()
+
+
+class Kernel:
+    """One ``.entry`` of a loaded module, with its parameter table (from the PTX header)."""
+
+    def __init__(self, module: "Module", name: str, params: list[ptxdoc.Param]):
+        self.module, self.name, self.params = module, name, params
+        self.func = driver.get_function(module.handle, name)
+        got = driver.param_info(self.func)
+        want = [(p.offset, p.size) for p in params]
+        if got != want:
+            rows = "\n".join(f"  param {i}: documented {w}, driver {g}"
+                             for i, (w, g) in enumerate(zip(want + [None] * len(got), got + [None] * len(want)))
+                             if (w or g) and w != g)
+            raise ParamMismatchError(
+                f"{module.name}: entry {name}: the driver's parameter layout (offset, size) differs from "
+                f"the documented table:\n{rows}")
+        self.num_regs = driver.func_attribute(self.func, "NUM_REGS")
+        self.max_threads = driver.func_attribute(self.func, "MAX_THREADS_PER_BLOCK")
+
+    def params_block(self, **values) -> "ParamBlock":
+        return ParamBlock(self, **values)
+
+    def __repr__(self):
+        return f"Kernel({self.name}, {len(self.params)} params, {self.num_regs} regs)"
+
+
+class ParamBlock:
+    """Live ctypes objects for every parameter plus the array of their addresses, so a
+    repeated launch costs one ``cuLaunchKernel`` (the fast host path)."""
+
+    def __init__(self, kernel: Kernel, **values):
+        self.kernel = kernel
+        self._objs = {}
+        for p in kernel.params:
+            ct = _CTYPES.get(p.type)
+            if ct is None:
+                ct = ctypes.c_uint8 * p.size
+            self._objs[p.name] = ct()
+        self.addrs = np.array([ctypes.addressof(o) for o in self._objs.values()], dtype=np.uint64)
+        self.set(**values)
+
+    def set(self, **values) -> "ParamBlock":
+        for name, v in values.items():
+            obj = self._objs.get(name)
+            if obj is None:
+                raise TypeError(f"{self.kernel.name}: no parameter {name!r}; parameters are "
+                                f"{', '.join(self._objs)}")
+            if isinstance(obj, P3PeerSendConfig):
+                if not isinstance(v, P3PeerSendConfig):
+                    raise TypeError(f"{self.kernel.name}.{name}: expected a P3PeerSendConfig, got {type(v).__name__}")
+                ctypes.memmove(ctypes.addressof(obj), ctypes.addressof(v), ctypes.sizeof(obj))
+            elif isinstance(obj, PeerPtrs):
+                vals = [driver.device_ptr(x, f"{name}[{i}]") for i, x in enumerate(v)]
+                if len(vals) > P3_MAX_RANKS:
+                    raise ValueError(f"{name}: at most {P3_MAX_RANKS} addresses, got {len(vals)}")
+                obj.p[:] = vals + [0] * (P3_MAX_RANKS - len(vals))
+            elif isinstance(obj, ctypes.Array):
+                b = bytes(v)
+                if len(b) != ctypes.sizeof(obj):
+                    raise ValueError(f"{name}: expected {ctypes.sizeof(obj)} bytes, got {len(b)}")
+                ctypes.memmove(ctypes.addressof(obj), b, len(b))
+            elif isinstance(obj, ctypes.c_float):
+                obj.value = float(v)
+            else:
+                obj.value = driver.device_ptr(v, name) if not isinstance(v, (int, np.integer)) else int(v)
+        return self
+
+    def get(self, name):
+        return self._objs[name]
+
+    def launch(self, grid, block, stream: driver.Stream, smem: int = 0) -> None:
+        driver.launch(self.kernel.func, grid, block, smem, stream, self.addrs, self.kernel.name)
+
+
+class Module:
+    """A PTX file (or string) JIT-loaded on a device, with every documented entry checked."""
+
+    def __init__(self, text: str, name: str, dev: driver.Device):
+        self.name, self.text, self.device = name, text, dev
+        target = ptxdoc.ptx_target(text)
+        if target and target.startswith("sm_"):
+            need = int(target[3:].rstrip("af"))
+            have = dev.cc[0] * 10 + dev.cc[1]
+            if have < need:
+                raise P3SendError(f"{name}: PTX targets {target}, but {dev.name} is sm_{have}")
+        dev.activate()
+        self.handle, self.info_log = driver.load_module(text, name)
+        entries = ptxdoc.parse_header(text)
+        decls = ptxdoc.parse_decls(text)
+        self.kernels: dict[str, Kernel] = {}
+        for ename, params in decls.items():
+            documented = entries.get(ename)
+            if documented is not None and documented.kind == "entry":
+                self.kernels[ename] = Kernel(self, ename, documented.params)
+            elif ename not in entries and _is_entry(text, ename):
+                self.kernels[ename] = Kernel(self, ename, params)  # a user's PTX without a header
+
+    def __getitem__(self, name) -> Kernel:
+        try:
+            return self.kernels[name]
+        except KeyError:
+            raise KeyError(f"{self.name} has no entry {name!r}; entries: {', '.join(self.kernels)}") from None
+
+
+def _is_entry(text: str, name: str) -> bool:
+    import re
+    return re.search(rf"\.entry\s+{re.escape(name)}\s*\(", text) is not None
+
+
+_modules: dict[tuple[int, str], Module] = {}
+
+
+def load(source, *, device: driver.Device | None = None, name: str | None = None) -> Module:
+    """Load PTX from a shipped entry name (``"p3_scatter_send"``), a path, or PTX text.
+
+    Modules are cached per device and content. A bad PTX raises CudaError with the JIT
+    log; a parameter layout that differs from the header raises ParamMismatchError.
+    """
+    dev = device or driver.device()
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and
+                                     (source.endswith(".ptx") or "/" in source)):
+        path = Path(source)
+        text, name = path.read_text(), name or path.name
+    elif isinstance(source, str) and "\n" not in source:
+        path = ptx_dir() / f"{source}.ptx"
+        if not path.exists():
+            raise P3SendError(f"no shipped PTX named {source!r} in {ptx_dir()}")
+        text, name = path.read_text(), name or path.name
+    else:
+        text = source.decode() if isinstance(source, bytes) else source
+        name = name or "<ptx string>"
+    key = (dev.ordinal, hashlib.sha1(text.encode()).hexdigest())
+    mod = _modules.get(key)
+    if mod is None:
+        mod = _modules[key] = Module(text, name, dev)
+    return mod
+
+
+def kernel(entry: str, device: driver.Device | None = None) -> Kernel:
+    """A shipped kernel by entry name (file name == entry name)."""
+    return load(entry, device=device)[entry]
+
+
+# ---------------------------------------------------------------- typed launchers
+
+def abi_echo(cfg: P3PeerSendConfig, tag: int = 0x5EED_0F_C0FFEE, device=None) -> tuple[bytes, int]:
+    """Launch ``p3_abi_echo``; return (the 184 bytes the device saw, the tag it saw)."""
+    k = kernel("p3_abi_echo", device)
+    out = driver.DeviceBuffer(192, fill=0)
+    try:
+        s = driver.Stream()
+        k.params_block(cfg=cfg, out=out, tag=tag).launch((1,), (32,), s)
+        s.synchronize()
+        raw = out.download()
+        s.close()
+    finally:
+        out.free()
+    return raw[:184].tobytes(), int(raw[184:192].view(np.uint64)[0])
+
+
+def _nbytes(obj) -> int | None:
+    if isinstance(obj, driver.DeviceBuffer):
+        return obj.nbytes
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = cai["shape"]
+        item = np.dtype(cai["typestr"]).itemsize
+        return int(np.prod(shape)) * item if cai.get("strides") is None else None
+    return None
+
+
+def _aligned(name, addr, align, problems):
+    if addr == 0:
+        problems.append(f"{name}: expected a device address, got null")
+    elif addr % align:
+        problems.append(f"{name}: expected a {align}-byte aligned address, got {addr:#x}")
+
+
+class ScatterSend:
+    """Launcher for ``p3_scatter_send`` on one device.
+
+    Owns the sender state (per-expert completion and pair counters, zeroed once and
+    self-resetting) and the diagnostics buffer. ``num_sms`` limits the send to that many
+    SMs (one 1024-thread CTA each, like DeepEP's ``set_num_sms``); default: all SMs.
+    """
+
+    THREADS = 1024
+
+    def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None):
+        if n_experts < 1:
+            raise ValueError(f"n_experts: expected >= 1, got {n_experts}")
+        self.dev = device or driver.device()
+        self.k = kernel("p3_scatter_send", self.dev)
+        self.n_experts = int(n_experts)
+        self.state = driver.DeviceBuffer(self.n_experts * 9 * 4, fill=0)
+        self.diag = driver.DeviceBuffer(16, fill=0)
+        self.set_num_sms(num_sms)
+        self.block = self.k.params_block()
+
+    def set_num_sms(self, num_sms: int | None) -> None:
+        sms = self.dev.sm_count
+        if num_sms is not None and not (1 <= num_sms <= sms):
+            raise ValueError(f"num_sms: expected 1..{sms}, got {num_sms}")
+        self.grid = num_sms or sms
+        # One CTA per SM: ask for more than half an SM's shared memory so two never share.
+        self.smem = 0 if num_sms in (None, sms) else self.dev.smem_per_sm // 2 + 1024
+        if self.smem:
+            driver.set_max_dynamic_smem(self.k.func, self.smem)
+
+    def prepare(self, cfg: P3PeerSendConfig, c, expert_offsets, c_row_stride: int | None = None, *,
+                count_ptrs=None, row_cache: bool = False, p3_control: int = 0,
+                expert_offsets_host=None, rows_in_c: int | None = None,
+                into: ParamBlock | None = None) -> ParamBlock:
+        """Validate every argument and fill the parameter block (no launch).
+
+        cfg: the config; c: C (DeviceBuffer / CAI object / address), rows of
+        ``cfg.msg_bytes`` at ``c_row_stride`` (default msg_bytes); expert_offsets: int32
+        (n_experts+1,) on the device (DeviceBuffer/CAI/address) -- pass the same values as
+        a numpy array in ``expert_offsets_host`` (or pass a numpy array as expert_offsets,
+        uploaded once) so bounds are checked; count_ptrs: up to 8 receive-count arrays
+        (enables the arrival signal); into: fill this block instead of the launcher's own
+        (several prepared launches, e.g. rotating inputs).
+        """
+        problems = validate(cfg, p3_control=p3_control, row_cache=row_cache, raise_on_error=False)
+        stride = cfg.msg_bytes if c_row_stride is None else int(c_row_stride)
+        c_addr = driver.device_ptr(c, "c")
+        _aligned("c", c_addr, 16, problems)
+        if stride % 16 or stride < cfg.msg_bytes:
+            problems.append(f"c_row_stride: expected a multiple of 16 >= msg_bytes ({cfg.msg_bytes}), got {stride}")
+        if isinstance(expert_offsets, np.ndarray):
+            expert_offsets_host = expert_offsets
+            if getattr(self, "_offs_buf", None) is None or self._offs_buf.nbytes != 4 * (self.n_experts + 1):
+                self._offs_buf = driver.DeviceBuffer(4 * (self.n_experts + 1))
+            self._offs_buf.upload(np.ascontiguousarray(expert_offsets, dtype=np.int32))
+            expert_offsets = self._offs_buf
+        offs_addr = driver.device_ptr(expert_offsets, "expert_offsets")
+        _aligned("expert_offsets", offs_addr, 4, problems)
+        if expert_offsets_host is not None:
+            off = np.asarray(expert_offsets_host, dtype=np.int64)
+            if off.shape != (self.n_experts + 1,):
+                problems.append(f"expert_offsets: expected {self.n_experts + 1} int32 values, got shape {off.shape}")
+            elif (off < 0).any() or (np.diff(off) < 0).any() or off[-1] > np.iinfo(np.int32).max:
+                problems.append(f"expert_offsets: expected non-decreasing values in 0..2^31-1, got {off.tolist()[:12]}")
+            else:
+                cap = rows_in_c
+                nb = _nbytes(c)
+                if cap is None and nb is not None and stride:
+                    cap = (nb - cfg.msg_bytes) // stride + 1 if nb >= cfg.msg_bytes else 0
+                if cap is not None and off[-1] > cap:
+                    problems.append(f"expert_offsets: rows up to {int(off[-1])} but C holds {cap} rows")
+        flags = FLAG_ROW_CACHE if row_cache else 0
+        peers = [0] * P3_MAX_RANKS
+        if count_ptrs is not None:
+            flags |= FLAG_SIGNAL
+            cp = list(count_ptrs)
+            for i in range(min(cfg.n_ranks, cfg.p2p_world_size) if cfg.n_ranks > 0 else 0):
+                if i >= len(cp):
+                    problems.append(f"count_ptrs[{i}]: expected the receive counts of p2p rank {i}, got nothing")
+                    continue
+                peers[i] = driver.device_ptr(cp[i], f"count_ptrs[{i}]")
+                _aligned(f"count_ptrs[{i}]", peers[i], 8, problems)
+        if problems:
+            raise ConfigError(problems, "scatter-send launch")
+        return (into or self.block).set(cfg=cfg, count_ptrs=peers, c_ptr=c_addr, c_row_stride=stride,
+                              expert_offsets=offs_addr, state_ptr=self.state, diag_ptr=self.diag,
+                              n_experts=self.n_experts, flags=flags, p3_control=int(p3_control))
+
+    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
+        (block or self.block).launch((self.grid,), (self.THREADS,), stream, self.smem)
+
+    def __call__(self, cfg, c, expert_offsets, c_row_stride=None, *, stream=None, **kw) -> None:
+        blk = self.prepare(cfg, c, expert_offsets, c_row_stride, **kw)
+        s = stream or driver.Stream()
+        self.launch(s, blk)
+        if stream is None:
+            s.synchronize()
+            s.close()
+
+    def diagnostics(self, reset: bool = True) -> dict:
+        """{'dropped': rows failing the bounds check, 'unrouted': rows owned by no rank,
+        'rejected': cfg refused on the device} accumulated since the last reset."""
+        d = self.diag.download(np.uint32)
+        if reset:
+            self.diag.fill(0)
+        return {"dropped": int(d[0]), "unrouted": int(d[1]), "rejected": bool(d[2])}
+
+    def close(self) -> None:
+        for b in (self.state, self.diag, getattr(self, "_offs_buf", None)):
+            if b is not None:
+                b.free()
+
+
+class RecvReduce:
+    """Launcher for ``p3_recv_reduce`` for one receiving rank: owns its state and record."""
+
+    THREADS = 256
+
+    def __init__(self, *, device: driver.Device | None = None, max_ctas: int | None = None):
+        self.dev = device or driver.device()
+        self.k = kernel("p3_recv_reduce", self.dev)
+        self.state = driver.DeviceBuffer(32, fill=0)
+        self.diag = driver.DeviceBuffer(32, fill=0)
+        self.max_ctas = max_ctas or 4 * self.dev.sm_count   # 4 CTAs of 256 threads fit an SM
+        self.block = self.k.params_block()
+        self.grid = 1
+
+    def prepare(self, cfg: P3PeerSendConfig, recv, counts, topk_idx, weights, out, *, n_tokens: int,
+                n_experts: int, timeout_ns: int, stamps=None) -> ParamBlock:
+        problems = []
+        if not (1 <= cfg.n_ranks <= P3_MAX_RANKS):
+            problems.append(f"n_ranks: expected 1..{P3_MAX_RANKS}, got {cfg.n_ranks}")
+        if not (1 <= cfg.top_k <= 32):
+            problems.append(f"top_k: expected 1..32 for the receive side, got {cfg.top_k}")
+        if cfg.msg_bytes <= 0 or cfg.msg_bytes % 16:
+            problems.append(f"msg_bytes: expected a positive multiple of 16 (hidden a multiple of 8 bf16), got {cfg.msg_bytes}")
+        if not (0 <= n_tokens <= cfg.max_tokens_per_rank):
+            problems.append(f"n_tokens: expected 0..max_tokens_per_rank ({cfg.max_tokens_per_rank}), got {n_tokens}")
+        if n_experts < 1:
+            problems.append(f"n_experts: expected >= 1, got {n_experts}")
+        if timeout_ns < 0:
+            problems.append(f"timeout_ns: expected >= 0, got {timeout_ns}")
+        addrs = {}
+        for name, obj, align, need in (("recv", recv, 16, True), ("counts", counts, 8, True),
+                                       ("topk_idx", topk_idx, 4, True), ("weights", weights, 4, out is not None),
+                                       ("out", out, 16, False)):
+            a = 0 if obj is None else driver.device_ptr(obj, name)
+            if need or a:
+                _aligned(name, a, align, problems)
+            addrs[name] = a
+        if problems:
+            raise ConfigError(problems, "receive launch")
+        warps = max(1, n_tokens)
+        self.grid = max(1, min(self.max_ctas, -(-warps // (self.THREADS // 32))))
+        return self.block.set(cfg=cfg, recv_ptr=addrs["recv"], counts_ptr=addrs["counts"],
+                              topk_idx=addrs["topk_idx"], weights=addrs["weights"], out_ptr=addrs["out"],
+                              state_ptr=self.state, diag_ptr=self.diag, timeout_ns=int(timeout_ns),
+                              stamp_ptr=0 if stamps is None else stamps, n_tokens=n_tokens, n_experts=n_experts)
+
+    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
+        (block or self.block).launch((self.grid,), (self.THREADS,), stream)
+
+    def record(self) -> dict:
+        """The last launch's record: timed-out waits, first missing slot and its value."""
+        d = self.diag.download(np.uint64)
+        return {"timeouts": int(d[0]) if d[0] != 1 << 63 else None, "rejected": int(d[0]) == 1 << 63,
+                "first_missing_slot": int(np.int64(d[1])), "value": int(d[2]), "end_ns": int(d[3])}
+
+    def close(self) -> None:
+        self.state.free()
+        self.diag.free()

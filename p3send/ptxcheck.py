@@ -1,0 +1,499 @@
+"""``p3send check-ptx``: assemble the shipped PTX for every target, report its resources
+and lint its documented interface. CPU only: nvJitLink (a pip wheel) in-process and, when
+on PATH, the system ``ptxas``; never the CUDA driver.
+
+A file fails on an assembler error, a register spill, any stack frame or local memory in
+an ``.entry`` (p3send kernels must not touch local memory: it is slow and hides spills),
+a ``.version`` newer than ``MAX_PTX_VERSION``, a missing ``.version``/``.target``, and on
+any :func:`lint` problem.
+
+Linkable ``.func`` files. nvJitLink compiles each input as relocatable code (as
+``ptxas -c`` does) and then links, so an entry calling an unresolved ``.extern .func``
+fails to link. A file with extern references is therefore linked together with the PTX
+files beside it that define them (its report lists only its own functions), and an
+extern that no file there defines is a problem of its own, checked without the linker,
+which accepts unresolved externs in a file without entries. ``ptxas`` compiles a file
+with no ``.entry`` or with extern references with ``-c`` (as it will be linked) and a
+self-contained file as a whole program, as the driver JIT does when it loads that file.
+The two modes allocate registers differently: a kernel at its register ceiling may
+spill in one and not in the other, hence both tools.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import ptxdoc
+from .abi import FIELDS, P3_CONFIG_SIZE
+from .errors import P3SendError
+
+DEFAULT_ARCHS = ("sm_90", "sm_100")
+
+#: Newest PTX ISA the oldest supported driver loads. A driver JIT-compiles PTX up to the
+#: ISA of its CUDA release: 7.8 needs driver >= 520 (CUDA 11.8), 8.0 >= 525 (12.0),
+#: 8.1 >= 530, 8.2 >= 535, 8.3 >= 545, 8.4 >= 550, 8.5 >= 555 (12.5/12.6), 8.6 (12.7) and
+#: 8.7 >= 570 (12.8), 8.8 >= 575 (12.9), 9.0 >= 580 (13.0). Driver 580 rejects 9.1+ with
+#: CUDA_ERROR_UNSUPPORTED_PTX_VERSION, and nvJitLink >= 13.1 would assemble it silently.
+MAX_PTX_VERSION = (9, 0)
+
+_INSTALL_HINT = ("install it with: pip install nvidia-nvjitlink==13.0.*  "
+                 "(13.0 matches driver 580; a newer nvJitLink accepts PTX that driver rejects)")
+
+
+# ----------------------------------------------------------------------------- files
+
+def ptx_dir() -> Path:
+    """The shipped PTX directory: inside the installed package, else ``<repo>/ptx``."""
+    import p3send
+    pkg = Path(p3send.__file__).resolve().parent
+    for d in (pkg / "ptx", pkg.parent / "ptx"):
+        if d.is_dir() and any(d.glob("*.ptx")):
+            return d
+    raise P3SendError(f"no shipped PTX found: looked in {pkg / 'ptx'} and {pkg.parent / 'ptx'}")
+
+
+def _blank_comments(text: str) -> str:
+    """``text`` with comments replaced by spaces, newlines kept, so offsets map to lines."""
+    return re.sub(r"/\*.*?\*/|//[^\n]*", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+
+
+@dataclass
+class Decl:
+    name: str
+    kind: str       # "entry" or "func"
+    extern: bool    # an ``.extern .func`` reference, defined in another file
+    line: int
+
+
+def declarations(text: str) -> list[Decl]:
+    """Every ``.entry``/``.func`` declaration, in file order (one per name)."""
+    code, out, seen = _blank_comments(text), [], set()
+    for m in ptxdoc._DECL.finditer(code):
+        if m.group(4) not in seen:
+            seen.add(m.group(4))
+            out.append(Decl(m.group(4), m.group(2), ".extern" in m.group(1),
+                            code.count("\n", 0, m.start()) + 1))
+    return out
+
+
+def _providers(path: Path, text: str) -> tuple[list[tuple[str, str]], set[str]]:
+    """(name, text) of the PTX files beside ``path`` that define its ``.extern`` functions,
+    and the externs that none defines."""
+    wanted = {d.name for d in declarations(text) if d.extern}
+    out, missing = [], set(wanted)
+    for other in sorted(path.parent.glob("*.ptx")) if wanted else ():
+        if other.resolve() == path.resolve():
+            continue
+        t = other.read_text()
+        defined = wanted & {d.name for d in declarations(t) if not d.extern}
+        if defined:
+            out.append((other.name, t))
+            missing -= defined
+    return out, missing
+
+
+# ----------------------------------------------------------------------------- lint
+
+def _cfg_slots() -> tuple[tuple[int, int, str], ...]:
+    """(offset, size, label) of each unit an ``ld.param`` may load from P3PeerSendConfig:
+    every field, with ``recv_buf_ptrs`` split into its eight 8-byte elements."""
+    slots = []
+    for f in FIELDS:
+        if f.kind == "ptr[8]":
+            slots += [(f.offset + 8 * i, 8, f"{f.name}[{i}]") for i in range(f.size // 8)]
+        else:
+            slots.append((f.offset, f.size, f.name))
+    return tuple(slots)
+
+
+_CFG_SLOTS = _cfg_slots()
+#: send_mbx is a 32-bit .shared address on the device; the other 4 bytes are padding.
+_NARROW_OK = {("send_mbx", 4)}
+_LD_MNEMONIC = re.compile(r"\bld\.param\S*")
+
+
+def _check_cfg_load(what: str, pname: str, off: int, width: int) -> str | None:
+    """Why a load of ``width`` bytes at ``off`` in a P3PeerSendConfig is wrong, or None."""
+    for s_off, s_size, label in _CFG_SLOTS:
+        if s_off <= off < s_off + s_size:
+            if off != s_off:
+                return f"{what} is inside {label} (offset {s_off}, {s_size} bytes)"
+            if width == s_size or (label, width) in _NARROW_OK:
+                return None
+            return f"{what} is {width} bytes wide but {label} (offset {s_off}) is {s_size} bytes"
+    return f"{what} is outside {pname} (P3PeerSendConfig, {P3_CONFIG_SIZE} bytes)"
+
+
+def _check_plain_load(what: str, p: ptxdoc.Param, off: int, width: int) -> str | None:
+    """Why a load from a scalar or array parameter is wrong, or None."""
+    elem = ptxdoc._SCALAR.get(p.type.split("[")[0])
+    if off < 0 or off + width > p.size:
+        return f"{what} reaches outside {p.name} ({p.type}, {p.size} bytes)"
+    if elem is not None and width != elem:
+        return f"{what} is {width} bytes wide but {p.name} ({p.type}) has {elem}-byte elements"
+    if elem is not None and off % elem:
+        return f"{what} straddles two elements of {p.name} ({p.type})"
+    return None
+
+
+def _row_line(lines: list[str], start: int, pname: str) -> int:
+    """The line of the PARAMS row of ``pname`` in the header starting at line ``start``."""
+    for i in range(start - 1, len(lines)):
+        r = ptxdoc._ROW.match(lines[i].rstrip())
+        if r and r.group(4) == pname:
+            return i + 1
+    return start
+
+
+def _check_params(name: str, hdr: ptxdoc.Entry, declared: list[ptxdoc.Param],
+                  decl_line: int, lines: list[str], hdr_line: int) -> list[tuple[int, str]]:
+    """The header's PARAMS table against the declared parameters, row by row."""
+    out = []
+    for i in range(max(len(hdr.params), len(declared))):
+        h = hdr.params[i] if i < len(hdr.params) else None
+        d = declared[i] if i < len(declared) else None
+        if h is None:
+            out.append((decl_line, f"{name}: parameter {d.name} (offset {d.offset}, {d.size} bytes) "
+                                   f"is declared but not documented in PARAMS"))
+            continue
+        at = _row_line(lines, hdr_line, h.name)
+        if d is None:
+            out.append((at, f"{name}: PARAMS documents {h.name}, which is not declared"))
+            continue
+        if h.name != d.name:
+            out.append((at, f"{name}: parameter {i} is declared as {d.name} but documented as {h.name}"))
+        if h.offset != d.offset:
+            out.append((at, f"{name}: {h.name} is documented at offset {h.offset} but declared at offset {d.offset}"))
+        if h.size != d.size:
+            out.append((at, f"{name}: {h.name} is documented as {h.size} bytes but declared as {d.size}"))
+        if h.type not in ptxdoc.PARAM_TYPES:
+            out.append((at, f"{name}: {h.name} has unknown type {h.type} "
+                            f"(known: {', '.join(ptxdoc.PARAM_TYPES)})"))
+            continue
+        size, align = ptxdoc.PARAM_TYPES[h.type]
+        if h.size != size:
+            out.append((at, f"{name}: {h.name} is documented as {h.size} bytes but {h.type} is {size}"))
+        if h.offset % align:
+            out.append((at, f"{name}: {h.name} at offset {h.offset} is not {align}-byte aligned "
+                            f"as {h.type} must be"))
+    return out
+
+
+def lint(text: str, name: str = "<ptx>") -> list[str]:
+    """Problems with the documented interface of one PTX file, as ``name:line: message``.
+
+    Checks that every defined ``.entry``/``.func`` has a header block with all sections and
+    vice versa, that each PARAMS table equals the declaration, and that every ``ld.param``
+    of a documented parameter loads exactly one ABI field (P3PeerSendConfig) or one element.
+    """
+    lines = text.splitlines()
+    headers = ptxdoc.parse_header(text)
+    declared = ptxdoc.parse_decls(text)
+    decls = declarations(text)
+    defined = {d.name: d for d in decls if not d.extern}
+    hdr_line = {m.group(2): i for i, s in enumerate(lines, 1) if (m := ptxdoc._HDR_START.match(s.rstrip()))}
+    out: list[tuple[int, str]] = []
+
+    for d in defined.values():                                               # (a)
+        h = headers.get(d.name)
+        if h is None:
+            out.append((d.line, f".{d.kind} {d.name} has no '// {d.kind.upper()} {d.name}' header block"))
+        elif h.kind != d.kind:
+            out.append((hdr_line[d.name], f"{d.name} is a .{d.kind} but its header says {h.kind.upper()}"))
+    for h in headers.values():
+        if h.name not in defined:
+            out.append((hdr_line[h.name], f"header {h.kind.upper()} {h.name} documents no "
+                                          f".{h.kind} {h.name} defined in this file"))
+            continue
+        missing = [s for s in ptxdoc.HEADER_SECTIONS if s not in h.sections]      # (e)
+        empty = [s for s in ptxdoc.HEADER_SECTIONS[1:] if s in h.sections and not h.sections[s]]
+        if missing:
+            out.append((hdr_line[h.name], f"header of {h.name} lacks section(s) {', '.join(missing)}"))
+        if empty:
+            out.append((hdr_line[h.name], f"header of {h.name} has empty section(s) {', '.join(empty)}"))
+        out += _check_params(h.name, h, declared.get(h.name, []), defined[h.name].line,  # (b)
+                             lines, hdr_line[h.name])
+
+    parsed = {}
+    for ln, pname, off, width in ptxdoc.parse_param_loads(text):                # (c), (d)
+        parsed[ln] = parsed.get(ln, 0) + 1
+        owner = next((d for d in reversed(decls) if d.line <= ln), None)
+        hdr = headers.get(owner.name) if owner and not owner.extern else None
+        p = next((p for p in hdr.params if p.name == pname), None) if hdr else None
+        if p is None:
+            continue   # a call-site .param inside a body, or an undocumented one (reported above)
+        mnem = _LD_MNEMONIC.search(lines[ln - 1]).group()
+        what = f"{mnem} [{pname}+{off}]"
+        why = (_check_cfg_load(what, pname, off, width) if p.type == "P3PeerSendConfig"
+               else _check_plain_load(what, p, off, width))
+        if why:
+            out.append((ln, why))
+    # A load the parser cannot read would escape (c)/(d): insist on [param+offset] form.
+    for ln, s in enumerate(lines, 1):
+        if len(_LD_MNEMONIC.findall(s.split("//", 1)[0])) > parsed.get(ln, 0):
+            out.append((ln, f"cannot check '{s.strip()}': load parameters as [name+offset]"))
+    return [f"{name}:{ln}: {msg}" for ln, msg in sorted(out, key=lambda x: x[0])]
+
+
+def file_problems(text: str, name: str = "<ptx>") -> list[str]:
+    """Module-level rules: ``.version`` present and loadable by the oldest supported
+    driver, ``.target`` present, 64-bit addresses, and one ``.entry`` named like the file."""
+    out = []
+    v = ptxdoc.ptx_version(text)
+    if v is None:
+        out.append(f"{name}: no .version directive")
+    elif v > MAX_PTX_VERSION:
+        out.append(f"{name}: .version {v[0]}.{v[1]} is newer than {MAX_PTX_VERSION[0]}.{MAX_PTX_VERSION[1]}, "
+                   f"the newest PTX ISA driver 580 (CUDA 13.0) loads")
+    if ptxdoc.ptx_target(text) is None:
+        out.append(f"{name}: no .target directive")
+    # Without .address_size 64, PTX addresses are 32 bits and every u64 pointer is truncated.
+    if not re.search(r"^\s*\.address_size\s+64\b", text, re.M):
+        out.append(f"{name}: no '.address_size 64' directive")
+    entries = [d.name for d in declarations(text) if d.kind == "entry"]
+    if name.endswith(".ptx") and entries and entries != [name[:-4]]:
+        out.append(f"{name}: defines .entry {', '.join(entries)}; a file holds one .entry named like the file")
+    return out
+
+
+# ----------------------------------------------------------------------------- assemble
+
+@dataclass
+class Resources:
+    """One function's line of the assembler's resource report (None: not reported)."""
+    name: str
+    kind: str = "func"
+    regs: int | None = None
+    barriers: int | None = None
+    stack: int | None = None          # this function's own stack frame, bytes
+    cum_stack: int | None = None      # with its callees (whole-program ptxas, linker)
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    smem: int | None = None
+    lmem: int | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """One assembly of one file for one arch by one tool."""
+    file: str
+    arch: str
+    tool: str                         # "nvjitlink" or "ptxas"
+    functions: list[Resources]
+    log: str                          # the info log
+    error: str = ""                   # the error log; "" when it assembled
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    def problems(self) -> list[str]:
+        """Assembler errors, spills, and stack/local memory in entries, each with its log line."""
+        at = f"{self.file} [{self.arch}, {self.tool}]"
+        if self.error:
+            return [f"{at}: assembler error:\n    " + "\n    ".join(self.error.strip().splitlines())]
+        out = []
+        for r in self.functions:
+            stats = "\n    ".join(r.lines)
+            if r.spill_stores or r.spill_loads:
+                out.append(f"{at}: {r.kind} {r.name} spills registers "
+                           f"({r.spill_stores} bytes stored, {r.spill_loads} loaded):\n    {stats}")
+            if r.kind == "entry" and (r.stack or r.cum_stack or r.lmem):
+                out.append(f"{at}: entry {r.name} uses a stack frame or local memory "
+                           f"(stack {r.stack}, with callees {r.cum_stack}, lmem {r.lmem}):\n    {stats}")
+        return out
+
+
+_FUNC_START = (re.compile(r"Compiling entry function '(\w+)'"),
+               re.compile(r"Function properties for '?(\w+)'?:?\s*$"))
+_STATS = {
+    "regs": re.compile(r"[Uu]sed (\d+) registers"),
+    "barriers": re.compile(r"used (\d+) barriers"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "cum_stack": re.compile(r"(\d+) (?:bytes cumulative stack size|stack\b)"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "smem": re.compile(r"(\d+) bytes smem"),
+    "lmem": re.compile(r"(\d+) bytes lmem"),
+}
+
+
+def parse_resources(log: str) -> dict[str, Resources]:
+    """Per-function resources from a ``ptxas -v`` or nvJitLink ``-verbose`` info log.
+
+    Stats lines belong to the function last named. nvJitLink logs its embedded ptxas
+    first, then the linker's summary; the first value of each stat wins, so both tools
+    report ptxas' numbers and the linker only fills in what ptxas left out (lmem).
+    """
+    out: dict[str, Resources] = {}
+    cur = None
+    for line in log.splitlines():
+        for pat in _FUNC_START:
+            m = pat.search(line)
+            if m:
+                cur = out.setdefault(m.group(1), Resources(m.group(1)))
+        if cur is None:
+            continue
+        hit = False
+        for key, pat in _STATS.items():
+            m = pat.search(line)
+            if m:
+                hit = True
+                if getattr(cur, key) is None:
+                    setattr(cur, key, int(m.group(1)))
+        if hit:
+            cur.lines.append(line.strip())
+    for r in out.values():
+        if r.regs is not None and r.smem is None:
+            r.smem = 0     # ptxas prints "N bytes smem" only when N > 0
+    return out
+
+
+def _own_functions(text: str, found: dict[str, Resources]) -> list[Resources]:
+    """The reported functions defined in ``text``, in file order, kinds from the source."""
+    out = []
+    for d in declarations(text):
+        if not d.extern and d.name in found:
+            found[d.name].kind = d.kind
+            out.append(found[d.name])
+    return out
+
+
+def _nvjitlink():
+    """``cuda.bindings.nvjitlink`` with its library loaded, or a P3SendError saying how to get it."""
+    try:
+        nvjitlink = importlib.import_module("cuda.bindings.nvjitlink")
+        nvjitlink.version()    # loads libnvJitLink: a missing wheel fails here, not mid-check
+    except (ImportError, RuntimeError, OSError) as e:
+        raise P3SendError(f"check-ptx needs nvJitLink to assemble PTX on the CPU "
+                          f"({type(e).__name__}: {str(e).strip()}); {_INSTALL_HINT}") from e
+    return nvjitlink
+
+
+def _log(handle, size_fn, get_fn) -> str:
+    n = size_fn(handle)
+    if not n:
+        return ""
+    buf = bytearray(n)
+    get_fn(handle, buf)
+    return bytes(buf).rstrip(b"\0").decode(errors="replace")
+
+
+def assemble(ptx_text: str, name: str, arch: str, deps=()) -> Report:
+    """Assemble ``ptx_text`` for ``arch`` in-process with nvJitLink and parse its report.
+
+    ``deps``: (name, text) of PTX files that define the ``.extern`` functions it calls.
+    Never raises for bad PTX: the error log is in ``Report.error``.
+    """
+    nvjitlink = _nvjitlink()
+    v = ptxdoc.ptx_version(ptx_text)
+    if v is not None and v > MAX_PTX_VERSION:
+        # nvJitLink 13.0.88 fails on it with "fatal: Unsupported .version" and from then on
+        # links unresolved externs without error for the rest of the process.
+        return Report(name, arch, "nvjitlink", [], "",
+                      f"not assembled: .version {v[0]}.{v[1]} is newer than "
+                      f"{MAX_PTX_VERSION[0]}.{MAX_PTX_VERSION[1]}")
+    try:
+        handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
+    except nvjitlink.nvJitLinkError as e:
+        return Report(name, arch, "nvjitlink", [], "", f"nvJitLink refuses -arch={arch}: {e}")
+    try:
+        error = ""
+        try:
+            for n, t in ((name, ptx_text), *deps):
+                data = t.encode()
+                nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), n)
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as e:
+            error = f"{e}"
+        # The logs die with the handle: read them before destroy.
+        info = _log(handle, nvjitlink.get_info_log_size, nvjitlink.get_info_log)
+        if error:
+            error = _log(handle, nvjitlink.get_error_log_size, nvjitlink.get_error_log) or error
+    finally:
+        nvjitlink.destroy(handle)
+    return Report(name, arch, "nvjitlink", _own_functions(ptx_text, parse_resources(info)), info, error)
+
+
+def assemble_ptxas(ptx_text: str, name: str, arch: str, ptxas: str = "ptxas") -> Report:
+    """Assemble with the system ``ptxas -v`` (``-c`` for libraries, see the module doc)."""
+    decls = declarations(ptx_text)
+    relocatable = any(d.extern for d in decls) or not any(d.kind == "entry" for d in decls)
+    with tempfile.TemporaryDirectory() as tmp:
+        # Run beside a copy named like the file, so errors read "ptxas p3_x.ptx, line 57".
+        (Path(tmp) / name).write_text(ptx_text)
+        cmd = [ptxas, f"-arch={arch}", "-v", *(["-c"] if relocatable else []), name, "-o", "out.cubin"]
+        try:
+            res = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return Report(name, arch, "ptxas", [], "", f"{' '.join(cmd)}: {e}")
+    log = res.stdout + res.stderr
+    error = "" if res.returncode == 0 else log or f"ptxas exited with {res.returncode}"
+    return Report(name, arch, "ptxas" + (" -c" if relocatable else ""),
+                  _own_functions(ptx_text, parse_resources(log)), log, error)
+
+
+# ----------------------------------------------------------------------------- command
+
+def check_file(path: Path, archs, use_ptxas: bool) -> tuple[list[Report], list[str]]:
+    """Lint one file and assemble it for every arch: (reports, problems)."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise P3SendError(f"cannot read {path}: {e}") from e
+    problems = file_problems(text, path.name) + lint(text, path.name)
+    deps, missing = _providers(path, text)
+    # Checked here, not left to the linker: nvJitLink accepts unresolved externs in a file
+    # without entries (and, after some errors, everywhere).
+    problems += [f"{path.name}: .extern .func {m} is defined by no PTX file in {path.parent}"
+                 for m in sorted(missing)]
+    reports = []
+    for arch in archs:
+        reports.append(assemble(text, path.name, arch, deps))
+        if use_ptxas:
+            reports.append(assemble_ptxas(text, path.name, arch))
+    for r in reports:
+        problems += r.problems()
+    return reports, problems
+
+
+def _table(reports: list[Report]) -> str:
+    def n(v):
+        return "-" if v is None else str(v)
+    rows = [("file", "entry", "arch", "tool", "regs", "smem", "stack", "spills", "lmem")]
+    for r in reports:
+        if not r.ok:
+            rows.append((r.file, "-", r.arch, r.tool, "FAILED", "", "", "", ""))
+        for f in r.functions:
+            stack = n(f.stack) if f.cum_stack in (None, f.stack) else f"{n(f.stack)}/{f.cum_stack}"
+            spills = "-" if f.spill_stores is None else f"{f.spill_stores}/{n(f.spill_loads)}"
+            rows.append((r.file, f.name if f.kind == "entry" else f"{f.name} (func)", r.arch, r.tool,
+                         n(f.regs), n(f.smem), stack, spills, n(f.lmem)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def main(args) -> int:
+    """``p3send check-ptx``: 0 when every file passes, 1 otherwise (problems printed)."""
+    files = [Path(f) for f in args.files] or sorted(ptx_dir().glob("*.ptx"))
+    archs = args.arch or list(DEFAULT_ARCHS)
+    ptxas = None if args.no_ptxas else shutil.which("ptxas")
+    reports, problems = [], []
+    for path in files:
+        r, p = check_file(path, archs, ptxas is not None)
+        reports += r
+        problems += p
+    print(_table(reports))
+    print("stack: own frame/with callees; spills: bytes stored/loaded"
+          + ("" if ptxas else "; system ptxas " + ("skipped (--no-ptxas)" if args.no_ptxas else "not on PATH")))
+    for p in problems:
+        print(f"FAIL {p}")
+    print(f"check-ptx: {len(files)} file(s), {', '.join(archs)}: "
+          + (f"{len(problems)} problem(s)" if problems else "ok"))
+    return 1 if problems else 0

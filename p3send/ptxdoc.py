@@ -1,0 +1,142 @@
+"""Read the documented interface of p3send's PTX files (CPU only, no CUDA).
+
+Every PTX file opens with a header per entry point::
+
+    // ENTRY p3_abi_echo
+    // <what it does>
+    // PARAMS
+    //   off  size  type              name   meaning
+    //     0   184  P3PeerSendConfig  cfg    the ABI struct, by value
+    //   184     8  u64               out    ptr: ...
+    // LAUNCH ... / ORDERING ... / REQUIRES ... / TIMEOUT ...
+
+(``// FUNC name`` for linkable ``.func`` entry points.) This module parses those
+tables, the ``.entry``/``.func`` declarations and every ``ld.param`` so that the
+loader, ``check-ptx`` and the CPU lint compare the three against each other and
+against ``abi.FIELDS``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+#: Parameter types a header may use, with (size, alignment).
+PARAM_TYPES = {
+    "P3PeerSendConfig": (184, 8),
+    "u64[8]": (64, 8),
+    "u64": (8, 8), "s64": (8, 8), "u32": (4, 4), "s32": (4, 4), "f32": (4, 4),
+}
+HEADER_SECTIONS = ("PARAMS", "LAUNCH", "ORDERING", "REQUIRES", "TIMEOUT")
+
+
+@dataclass
+class Param:
+    offset: int
+    size: int
+    type: str
+    name: str
+    meaning: str = ""
+
+
+@dataclass
+class Entry:
+    name: str
+    kind: str                       # "entry" or "func"
+    params: list[Param] = field(default_factory=list)
+    sections: dict[str, str] = field(default_factory=dict)
+
+
+_HDR_START = re.compile(r"^//\s*(ENTRY|FUNC)\s+(\w+)\s*$")
+_ROW = re.compile(r"^//\s+(\d+)\s+(\d+)\s+(\S+)\s+(\w+)\s*(.*)$")
+_SECTION = re.compile(r"^//\s*(PARAMS|LAUNCH|ORDERING|REQUIRES|TIMEOUT)\b\s*(.*)$")
+
+
+def parse_header(text: str) -> dict[str, Entry]:
+    """The documented entries of a PTX file, by name, in file order."""
+    out: dict[str, Entry] = {}
+    cur: Entry | None = None
+    section = None
+    for line in text.splitlines():
+        s = line.rstrip()
+        m = _HDR_START.match(s)
+        if m:
+            cur = Entry(m.group(2), "entry" if m.group(1) == "ENTRY" else "func")
+            out[cur.name] = cur
+            section = None
+            continue
+        if cur is None or not s.startswith("//"):
+            if not s.startswith("//"):
+                cur, section = None, None
+            continue
+        m = _SECTION.match(s)
+        if m:
+            section = m.group(1)
+            cur.sections[section] = m.group(2).strip()
+            continue
+        if section == "PARAMS":
+            r = _ROW.match(s)
+            if r:
+                cur.params.append(Param(int(r.group(1)), int(r.group(2)), r.group(3), r.group(4),
+                                        r.group(5).strip()))
+                continue
+        if section:
+            cur.sections[section] = (cur.sections[section] + " " + s[2:].strip()).strip()
+    return out
+
+
+# Group 1 holds every linkage directive (".visible .extern ..."); a plain ".entry" has none.
+_DECL = re.compile(r"((?:\.(?:visible|extern|weak)\s+)*)\.(entry|func)\s*(\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)", re.S)
+_PDECL = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+(\w+)(?:\[(\d+)\])?")
+_SCALAR = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "b32": 4, "u32": 4,
+           "s32": 4, "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8, "bf16": 2, "b128": 16}
+
+
+def _strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def parse_decls(text: str) -> dict[str, list[Param]]:
+    """The parameters each ``.entry``/``.func`` actually declares, with offsets laid out
+    by the PTX rules (each parameter aligned to its ``.align`` or element size)."""
+    out = {}
+    for m in _DECL.finditer(_strip_comments(text)):
+        params, off = [], 0
+        for p in _PDECL.finditer(m.group(5)):
+            elem = _SCALAR[p.group(2)]
+            align = int(p.group(1) or elem)
+            size = elem * int(p.group(4) or 1)
+            off = (off + align - 1) // align * align
+            params.append(Param(off, size, p.group(2) + (f"[{p.group(4)}]" if p.group(4) else ""), p.group(3)))
+            off += size
+        out[m.group(4)] = params
+    return out
+
+
+# Destination: a register or a vector "{%a, %b}"; state space may be ".param::entry"/"::func";
+# offsets may be decimal or hex. A load this does not match is not checked (ptxcheck.lint flags it).
+_LDPARAM = re.compile(r"\bld\.param(?:::\w+)?((?:\.v[248])?)\.(\w+)\s+(?:\{[^}]*\}|[^,{]+),"
+                      r"\s*\[\s*(\w+)\s*(?:\+\s*(0[xX][0-9a-fA-F]+|\d+))?\s*\]")
+
+
+def parse_param_loads(text: str) -> list[tuple[int, str, int, int]]:
+    """Every ``ld.param`` with a symbolic address: (line, param name, byte offset, width)."""
+    loads = []
+    for i, line in enumerate(text.splitlines(), 1):
+        code = line.split("//", 1)[0]
+        for m in _LDPARAM.finditer(code):
+            vec = int(m.group(1)[2:]) if m.group(1) else 1
+            off = m.group(4) or "0"
+            off = int(off, 16) if off[:2] in ("0x", "0X") else int(off)
+            loads.append((i, m.group(3), off, _SCALAR[m.group(2)] * vec))
+    return loads
+
+
+def ptx_version(text: str) -> tuple[int, int] | None:
+    m = re.search(r"^\s*\.version\s+(\d+)\.(\d+)", text, re.M)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def ptx_target(text: str) -> str | None:
+    m = re.search(r"^\s*\.target\s+(\w+)", text, re.M)
+    return m.group(1) if m else None

@@ -1,0 +1,358 @@
+"""`p3send layout` and `p3send conform`: correct and deliberately broken C, Mojo and JSON."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from tests.cpu.conftest import DISABLED_HEX, HEADER, ROOT, compile_and_run
+from p3send.abi import CONFIG_DTYPE, FIELDS
+from p3send.conform import render
+
+# A foreign C runtime's declaration, written the way such a runtime would: its own
+# device-pointer typedef, `struct Name {...};`, several declarators on one line.
+GOOD_C = """\
+#include <stdint.h>
+typedef unsigned long long devptr_t;   /* like CUdeviceptr */
+struct P3PeerSendConfig {
+    devptr_t atomic_counter, src_info_ptr;
+    devptr_t row_base_ptr;
+    devptr_t recv_buf_ptrs[8];
+    int64_t n_ranks;
+    int64_t p2p_world_size;
+    int64_t top_k;
+    int64_t msg_bytes;
+    int64_t max_tokens_per_rank;
+    int64_t my_rank;
+    devptr_t send_mbx;
+    devptr_t send_stamp_ptr;
+    int64_t send_stamp_on;
+    devptr_t trace_ptr;
+    int64_t trace_on;
+    int64_t send_trace_slot;
+};
+"""
+
+# The struct as MAX writes it (Pointer/Int(8) spelling, a docstring, an alias, a
+# multi-line type, methods whose locals must not be taken for fields).
+GOOD_MOJO = '''\
+from utils import StaticTuple
+
+comptime P5SendMailboxPtr = UnsafePointer[Int32, MutAnyOrigin, address_space = AddressSpace.SHARED]
+
+
+@fieldwise_init
+struct P3PeerSendConfig(ImplicitlyCopyable, Movable):
+    """Runtime state for the in-epilogue EP-combine peer scatter-send.
+
+  (an oddly indented docstring line must not end the struct)
+    """
+
+    var atomic_counter: Pointer[Int32, MutUntrackedOrigin]
+    var src_info_ptr: Pointer[Int32, ImmUntrackedOrigin]
+    var row_base_ptr: Pointer[UInt64, MutUntrackedOrigin]
+    var recv_buf_ptrs: StaticTuple[
+        Pointer[UInt8, MutUntrackedOrigin], Int(8)
+    ]
+    var n_ranks: Int
+    var p2p_world_size: Int
+    var top_k: Int
+    var msg_bytes: Int
+    var max_tokens_per_rank: Int
+    var my_rank: Int
+    var send_mbx: P5SendMailboxPtr
+    var send_stamp_ptr: Pointer[UInt64, MutUntrackedOrigin]
+    var send_stamp_on: Int
+    var trace_ptr: Pointer[UInt64, MutUntrackedOrigin]
+    var trace_on: Int
+    var send_trace_slot: Int
+
+    @staticmethod
+    def disabled() -> Self:
+        var scratch: Int32 = 0
+        return Self(...)
+
+    def recv_count_layout(self, e: Int, rk: Int) -> Int:
+        return e * self.n_ranks + rk
+'''
+
+
+def _swap_lines(text, a, b):
+    lines = text.splitlines(keepends=True)
+    ia = next(i for i, ln in enumerate(lines) if re.search(rf"\b{a}\b", ln))
+    ib = next(i for i, ln in enumerate(lines) if re.search(rf"\b{b}\b", ln))
+    lines[ia], lines[ib] = lines[ib], lines[ia]
+    return "".join(lines)
+
+
+def _drop_line(text, name):
+    return "".join(ln for ln in text.splitlines(keepends=True) if not re.search(rf"\b{name}\b", ln))
+
+
+# (id, broken text, field the report must name, phrase it must contain)
+BROKEN_C = [
+    ("missing", _drop_line(GOOD_C, "top_k"), "top_k", "missing"),
+    ("extra", GOOD_C.replace("int64_t trace_on;", "int64_t trace_on;\n    int64_t flags;"),
+     "flags", "extra field"),
+    ("reordered", _swap_lines(GOOD_C, "top_k", "msg_bytes"), "top_k", "out of order"),
+    ("resized", GOOD_C.replace("recv_buf_ptrs[8]", "recv_buf_ptrs[4]"), "recv_buf_ptrs", "size expected 64, found 32"),
+    ("int32", GOOD_C.replace("int64_t n_ranks;", "int32_t n_ranks;"), "n_ranks", "size expected 8, found 4"),
+    ("unsigned Int", GOOD_C.replace("int64_t send_trace_slot;", "uint64_t send_trace_slot;"),
+     "send_trace_slot", "unsigned integer"),
+    ("double ptr", GOOD_C.replace("devptr_t trace_ptr;", "double trace_ptr;"), "trace_ptr", "floating point"),
+    ("packed", "#pragma pack(push, 4)\n" + GOOD_C + "#pragma pack(pop)\n", "struct alignment", "found 4"),
+]
+
+BROKEN_MOJO = [
+    ("missing", _drop_line(GOOD_MOJO, "top_k"), "top_k", "missing"),
+    ("extra", GOOD_MOJO.replace("var trace_on: Int\n", "var trace_on: Int\n    var flags: Int\n"),
+     "flags", "extra field"),
+    ("reordered", _swap_lines(GOOD_MOJO, "var top_k", "var msg_bytes"), "top_k", "out of order"),
+    ("resized", GOOD_MOJO.replace("Int(8)", "Int(4)"), "recv_buf_ptrs", "size expected 64, found 32"),
+    ("int32", GOOD_MOJO.replace("var n_ranks: Int", "var n_ranks: Int32"), "n_ranks", "size expected 8, found 4"),
+    ("UInt", GOOD_MOJO.replace("var my_rank: Int", "var my_rank: UInt"), "my_rank", "unsigned integer"),
+]
+
+
+def _json_broken():
+    good = json.loads(render("json"))
+
+    def edit(fn):
+        d = json.loads(json.dumps(good))
+        fn(d)
+        return json.dumps(d)
+
+    def field(d, name):
+        return next(f for f in d["fields"] if f["name"] == name)
+
+    def swap(d):
+        f = d["fields"]
+        f[6], f[7] = f[7], f[6]
+
+    return [
+        ("missing", edit(lambda d: d["fields"].remove(field(d, "top_k"))), "top_k", "missing"),
+        ("extra", edit(lambda d: d["fields"].append({"name": "flags", "offset": 184, "size": 8, "type": "Int"})),
+         "flags", "extra field"),
+        ("reordered", edit(swap), "top_k", "out of order"),
+        ("resized", edit(lambda d: field(d, "recv_buf_ptrs").update(size=32)), "recv_buf_ptrs",
+         "size expected 64, found 32"),
+        ("int32", edit(lambda d: field(d, "n_ranks").update(size=4, type="Int32")), "n_ranks",
+         "size expected 8, found 4"),
+        ("moved", edit(lambda d: field(d, "my_rank").update(offset=132)), "my_rank",
+         "offset expected 128, found 132"),
+        ("total size", edit(lambda d: d.update(size=192)), "struct size", "found 192"),
+        ("align", edit(lambda d: d.update(align=4)), "struct alignment", "found 4"),
+    ]
+
+
+BROKEN = ([("c", ".h") + b for b in BROKEN_C] + [("mojo", ".mojo") + b for b in BROKEN_MOJO]
+          + [("json", ".json") + b for b in _json_broken()])
+
+
+# ---------------------------------------------------------------- conform
+
+@pytest.mark.parametrize("text,suffix", [(GOOD_C, ".h"), (GOOD_C.replace(
+    "struct P3PeerSendConfig {", "typedef struct {").replace("};", "} P3PeerSendConfig;"), ".h"),
+    (GOOD_MOJO, ".mojo"), (render("json"), ".json")], ids=["c struct", "c typedef", "mojo", "json"])
+def test_correct_declarations_conform(tmp_path, cli, text, suffix):
+    path = tmp_path / ("decl" + suffix)
+    path.write_text(text)
+    rc, out = cli("conform", path)
+    assert rc == 0, out
+    assert "conforms" in out
+
+
+def test_the_shipped_header_conforms(cli):
+    rc, out = cli("conform", HEADER)
+    assert rc == 0, out
+
+
+def test_cxx_header_conforms(tmp_path, cli):
+    # C++-only syntax (namespace, <cstdint>, member functions, static members) is
+    # compiled as C++; a `void *` device address is accepted as a host pointer.
+    path = tmp_path / "runtime.hpp"
+    path.write_text("#include <cstdint>\nnamespace rt {\n" + GOOD_C.split("\n", 1)[1].replace(
+        "devptr_t send_mbx;", "void *send_mbx;").replace(
+        "int64_t send_trace_slot;", "int64_t send_trace_slot = -1;\n"
+        "    static constexpr int kMaxRanks = 8;\n    int64_t slot() const { return send_trace_slot; }")
+        + "}\nusing rt::P3PeerSendConfig;\n")
+    rc, out = cli("conform", path)
+    assert rc == 0, out
+
+
+@pytest.mark.parametrize("kind,suffix,text,field,phrase", [b[:2] + b[3:] for b in BROKEN],
+                         ids=[f"{b[0]}-{b[2]}" for b in BROKEN])
+def test_broken_declarations_are_named(tmp_path, cli, kind, suffix, text, field, phrase):
+    path = tmp_path / ("decl" + suffix)
+    path.write_text(text)
+    rc, out = cli("conform", path)
+    assert rc == 1, out
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith(f"- {field}")]
+    assert lines, f"no problem names {field}:\n{out}"
+    assert any(phrase in ln for ln in lines), out
+
+
+def test_every_shifted_field_is_reported(tmp_path):
+    # Dropping top_k moves every later field up by 8: each one is a separate problem.
+    from p3send.conform import check_path
+    path = tmp_path / "decl.h"
+    path.write_text(_drop_line(GOOD_C, "top_k"))
+    problems = check_path(path)
+    for f in FIELDS[7:]:
+        assert f"{f.name}: offset expected {f.offset}, found {f.offset - 8}" in problems
+    assert "struct size: expected 184 bytes, found 176" in problems
+
+
+def test_kind_override_and_struct_name(tmp_path, cli):
+    path = tmp_path / "decl.txt"
+    path.write_text(GOOD_C.replace("P3PeerSendConfig", "MyCfg"))
+    rc, out = cli("conform", path, "--kind", "c", "--struct", "MyCfg")
+    assert rc == 0, out
+
+
+@pytest.mark.parametrize("suffix,text,phrase", [
+    (".h", GOOD_C.replace("int64_t top_k;", "int64_tt top_k;"), "int64_tt"),
+    (".h", GOOD_C.replace("P3PeerSendConfig", "Other"), "no struct 'P3PeerSendConfig'"),
+    (".h", GOOD_C.replace("int64_t trace_on;", "int64_t trace_on : 1;"), "bit-field"),
+    (".mojo", GOOD_MOJO.replace("var top_k: Int", "var top_k: Tensor[DType.int64]"), "top_k"),
+    (".mojo", GOOD_MOJO.replace("struct P3PeerSendConfig", "struct Other"), "no struct 'P3PeerSendConfig'"),
+    (".json", "{not json", "not valid JSON"),
+    (".json", '{"name": "P3PeerSendConfig", "size": 184}', "malformed"),
+], ids=["compile error", "c no struct", "bit-field", "mojo unknown type", "mojo no struct",
+        "bad json", "json no fields"])
+def test_unusable_input_exits_2(tmp_path, cli, suffix, text, phrase):
+    path = tmp_path / ("decl" + suffix)
+    path.write_text(text)
+    rc, out = cli("conform", path)
+    assert rc == 2, out
+    assert phrase in out and str(path) in out
+
+
+def test_missing_file_exits_2(tmp_path, cli):
+    rc, out = cli("conform", tmp_path / "nope.h")
+    assert rc == 2 and "cannot read" in out
+
+
+# ---------------------------------------------------------------- header
+
+HEADER_PROGRAM = """\
+#include "p3send.h"
+#include <stdio.h>
+
+int main(void)
+{
+    P3PeerSendConfig cfg = p3_config_disabled();
+    const unsigned char *b = (const unsigned char *)&cfg;
+    size_t i;
+    for (i = 0; i < sizeof cfg; ++i)
+        printf("%02x", b[i]);
+    cfg.n_ranks = 8;
+    cfg.top_k = 8;
+    cfg.msg_bytes = 14336;
+    printf("\\n%lld %lld\\n", (long long)p3_recv_count_layout(&cfg, 2, 3),
+           (long long)p3_recv_buf_layout(&cfg, 3, 2, 16));
+    printf("%d %d %d %d %d %d\\n", P3_MAX_RANKS, P5_SEND_MBX_INTS, P5_SEND_MBX_STRIDE,
+           P3_TRACE_SLOTS, P3_CONFIG_SIZE, P3_RANGE_READY_FLAG);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("compiler,std", [("gcc", "c11"), ("g++", "c++11"), ("g++", "c++17")])
+def test_header_builds_and_runs(tmp_path, compiler, std):
+    out = compile_and_run(tmp_path, compiler, std, HEADER_PROGRAM, "hdr").split("\n")
+    assert out[0] == DISABLED_HEX                       # p3_config_disabled() == Mojo's disabled()
+    assert out[1] == "19 372752"                        # the [MAX] formulas, same as layout.py
+    assert out[2] == "8 32 4 16 184 1024"
+
+
+def test_header_static_asserts_catch_a_swap(tmp_path):
+    # The header must refuse to build if its own struct drifts, in C and in C++.
+    broken = _swap_lines(HEADER.read_text(), "int64_t  top_k", "int64_t  msg_bytes")
+    (tmp_path / "p3send.h").write_text(broken)
+    import subprocess
+    for compiler, std in (("gcc", "c11"), ("g++", "c++11")):
+        src = tmp_path / ("t.c" if compiler == "gcc" else "t.cpp")
+        src.write_text('#include "p3send.h"\nint main(void) { return 0; }\n')
+        r = subprocess.run([compiler, f"-std={std}", f"-I{tmp_path}", "-fsyntax-only", str(src)],
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and "top_k must be at offset 104" in r.stderr, r.stderr
+
+
+def test_header_ends_with_kernel_section():
+    text = HEADER.read_text()
+    tail = text[text.index("Kernel entry points"):]
+    assert "docs/ABI.md" in tail and "P3PeerSendConfig" not in tail.replace("docs/ABI.md", "")
+
+
+# ---------------------------------------------------------------- layout
+
+def test_layout_json_matches_fields(cli):
+    rc, out = cli("layout", "--format", "json")
+    assert rc == 0
+    assert json.loads(out) == {
+        "name": "P3PeerSendConfig", "size": 184, "align": 8,
+        "fields": [{"name": f.name, "offset": f.offset, "size": f.size, "type": f.mojo} for f in FIELDS]}
+
+
+@pytest.mark.parametrize("compiler,std", [("gcc", "c11"), ("g++", "c++11")])
+def test_layout_c_compiles(tmp_path, cli, compiler, std):
+    rc, out = cli("layout", "--format", "c")
+    assert rc == 0
+    (tmp_path / "gen.h").write_text(out)
+    prog = '#include "gen.h"\n#include <stdio.h>\nint main(void) { printf("%d", (int)sizeof(P3PeerSendConfig)); return 0; }\n'
+    assert compile_and_run(tmp_path, compiler, std, prog, "gen", include=tmp_path) == "184"
+
+
+@pytest.mark.parametrize("fmt,suffix", [("c", ".h"), ("mojo", ".mojo"), ("json", ".json")])
+def test_layout_output_conforms(tmp_path, cli, fmt, suffix):
+    rc, out = cli("layout", "--format", fmt)
+    path = tmp_path / ("gen" + suffix)
+    path.write_text(out)
+    rc, report = cli("conform", path)
+    assert rc == 0, report
+
+
+def test_layout_mojo_keeps_the_fields_types(cli):
+    rc, out = cli("layout", "--format", "mojo")
+    decls = re.findall(r"^    var (\w+): (.+?)  #", out, flags=re.M)
+    assert [n for n, _ in decls] == [f.name for f in FIELDS]
+    assert dict(decls)["atomic_counter"] == "UnsafePointer[Int32, Mut]"
+    assert dict(decls)["send_mbx"] == "P5SendMailboxPtr"
+    assert "comptime P5SendMailboxPtr = UnsafePointer[Int32, SHARED]" in out
+
+
+def test_layout_numpy_builds_the_dtype(cli):
+    rc, out = cli("layout", "--format", "numpy")
+    scope = {}
+    exec(compile(out, "<p3send layout --format numpy>", "exec"), scope)
+    dt = scope["P3_PEER_SEND_CONFIG_DTYPE"]
+    assert dt == CONFIG_DTYPE and dt.itemsize == 184
+    assert np.zeros(1, dt)["recv_buf_ptrs"].shape == (1, 8)
+
+
+def test_layout_table_lists_every_field(cli):
+    rc, out = cli("layout", "--format", "table")
+    assert rc == 0 and "184 bytes" in out
+    for f in FIELDS:
+        assert re.search(rf"^\| {f.offset} \| {f.size} \| {f.name} \|", out, flags=re.M), f.name
+
+
+def test_docs_table_is_the_layout_table():
+    # docs/ABI.md is normative for outsiders: its table must be FIELDS, row for row.
+    docs = (ROOT / "docs" / "ABI.md").read_text().replace("\\*", "*")   # markdown escapes
+    rows = [ln for ln in render("table").splitlines() if ln.startswith("| ")]
+    missing = [r for r in rows if r not in docs]
+    assert not missing, "docs/ABI.md lacks these rows of `p3send layout`:\n" + "\n".join(missing)
+    dump = re.findall(r"^ *(\d+): ([0-9a-f ]+)$", docs, flags=re.M)   # "OFF: hex hex" lines
+    assert [int(off) for off, _ in dump] == list(range(0, 184, 16))
+    assert "".join(h.replace(" ", "") for _, h in dump) == DISABLED_HEX
+    assert docs.rstrip().endswith("## Kernel entry points\n\n"
+                                  "See the per-kernel parameter tables below (filled in by the kernel issues).")
+
+
+def test_render_rejects_unknown_format():
+    with pytest.raises(ValueError, match="expected one of table, json, c, mojo, numpy"):
+        render("yaml")

@@ -1,0 +1,129 @@
+"""p3_scatter_send against the oracle, byte for byte, on fresh seeds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from p3send import ConfigError, P3PeerSendConfig, driver, reference as ref
+from p3send.cases import FAMILIES, send_case
+from p3send.kernels import ScatterSend
+from tests.gpu.conftest import GUARD, assert_send_exact, fresh_seed, run_send
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("row_cache", [False, True], ids=["nocache", "cache"])
+def test_family_byte_exact(dev, family, row_cache):
+    for i in range(3):
+        case = send_case(family, fresh_seed(family))
+        assert_send_exact(run_send(dev, case, row_cache=row_cache))
+
+
+def test_random_cases_byte_exact(dev):
+    for i in range(20):
+        case = send_case("random", fresh_seed("random"))
+        assert_send_exact(run_send(dev, case, row_cache=bool(i % 2)))
+
+
+def test_cache_on_and_off_give_identical_bytes(dev):
+    case = send_case("bad_src_info", fresh_seed("cache-on-off"))
+    a, b = run_send(dev, case, row_cache=False), run_send(dev, case, row_cache=True)
+    for p in range(case.p2p_world_size):
+        assert np.array_equal(a.recv[p], b.recv[p]), f"{case}: peer {p}"
+
+
+def test_budgeted_sms_byte_exact(dev):
+    case = send_case("row_edges", fresh_seed("budget"))
+    for n in (1, 8, dev.sm_count - 1):
+        assert_send_exact(run_send(dev, case, num_sms=n))
+
+
+def test_disabled_and_negative_control_touch_nothing(dev):
+    case = send_case("random", fresh_seed("gate"))
+    for kw in ({"disabled": True}, {"p3_control": -1}, {"p3_control": -1, "row_cache": True}):
+        run = run_send(dev, case, **kw)
+        assert_send_exact(run)  # the oracle of a gated send is "nothing changes"
+        assert all((r == 0xAB).all() for r in run.recv), f"{case} {kw}: a gated send wrote"
+
+
+def test_stamps_and_trace_only_when_on(dev):
+    case = send_case("skewed", fresh_seed("stamps"))
+    on = run_send(dev, case, stamps=True, trace=True)
+    assert_send_exact(on)
+    used = on.stamps[:, 0] != 0
+    assert used.any(), "no CTA recorded a first store"
+    assert (on.stamps[used, 1] >= on.stamps[used, 0]).all(), f"last < first: {on.stamps[used][:4]}"
+    assert (on.stamps[~used] == 0).all()
+    assert on.trace[:, 3].sum() > 0 and (np.delete(on.trace, 3, axis=1) == 0).all(), "trace outside its slot"
+    off = run_send(dev, case)
+    assert off.stamps is None and off.trace is None  # nothing allocated, so nothing can be written
+
+
+def test_poisoned_src_info_is_seen(dev):
+    """A row whose src_info on the device points at another valid slot than the
+    oracle's must show up as a mismatch: the comparison is able to fail."""
+    case = send_case("random", fresh_seed("poison"))
+    res = ref.resolve(_cfg_of(case), case.expert_offsets, case.range_table, case.src_info)
+    stored = np.nonzero(res.peer >= 0)[0]
+    if not len(stored):
+        pytest.skip(f"{case}: no stored rows")
+    r = int(stored[0])
+    used = set(res.slot[res.peer == res.peer[r]].tolist())
+    free = next(s for s in range(case.max_tokens_per_rank * case.top_k) if s not in used)
+    poisoned = case.src_info.copy()
+    poisoned[r] = (free // case.top_k, free % case.top_k)
+    run = run_send(dev, case, src_info=poisoned)
+    with pytest.raises(AssertionError, match="receive buffer"):
+        assert_send_exact(run)
+
+
+def _cfg_of(case) -> P3PeerSendConfig:
+    cfg = P3PeerSendConfig.disabled()
+    cfg.n_ranks, cfg.p2p_world_size, cfg.top_k = case.n_ranks, case.p2p_world_size, case.top_k
+    cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = case.msg_bytes, case.max_tokens_per_rank, case.my_rank
+    return cfg
+
+
+def test_stale_row_cache_never_writes_outside(dev):
+    case = send_case("random", fresh_seed("stale-cache"))
+    rows = case.c.shape[0]
+    rng = np.random.default_rng(case.seed)
+    wild = rng.integers(1 << 20, 1 << 40, rows, dtype=np.uint64) * np.uint64(16)   # garbage bases
+    run = run_send(dev, case, row_cache=True, cache_init=wild)
+    for p, got in enumerate(run.recv):
+        assert (got[:GUARD] == 0xAB).all() and (got[-GUARD:] == 0xAB).all(), f"{case}: guard of peer {p} written"
+    span = int(case.expert_offsets[-1] - case.expert_offsets[0])
+    assert run.diag["dropped"] == span, f"{case}: every stale entry must be dropped: {run.diag}"
+
+
+def test_device_rejects_a_bad_config_without_writing(dev):
+    """A foreign launcher bypassing validate(): the kernel itself refuses the config."""
+    case = send_case("one_row", fresh_seed("reject"))
+    sender = ScatterSend(1, device=dev)
+    recv = driver.DeviceBuffer(1 << 16, fill=0xAB)
+    c = driver.DeviceBuffer.from_array(case.c)
+    offs = driver.DeviceBuffer.from_array(case.expert_offsets.astype(np.int32))
+    cfg = P3PeerSendConfig.disabled()
+    cfg.n_ranks, cfg.p2p_world_size, cfg.top_k, cfg.msg_bytes = 9, 1, 1, 24   # n_ranks 9, msg 24
+    cfg.recv_buf_ptrs = [recv.ptr] * 8
+    with pytest.raises(ConfigError, match="n_ranks"):
+        sender.prepare(cfg, c, offs)
+    sender.block.set(cfg=cfg, c_ptr=c, c_row_stride=24, expert_offsets=offs, state_ptr=sender.state,
+                     diag_ptr=sender.diag, n_experts=1, flags=0, p3_control=0)
+    s = driver.Stream()
+    sender.launch(s)
+    s.synchronize()
+    assert sender.diagnostics()["rejected"]
+    assert (recv.download() == 0xAB).all()
+    for b in (recv, c, offs):
+        b.free()
+    sender.close()
+
+
+def test_torch_tensors_as_inputs(dev):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    case = send_case("primes", fresh_seed("torch"))
+    c = torch.from_numpy(case.c).cuda()          # C given as a torch tensor (__cuda_array_interface__)
+    torch.cuda.synchronize()
+    assert_send_exact(run_send(dev, case, c_obj=c))

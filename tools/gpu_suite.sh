@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU tier in one command: PTX check, GPU tests, compute-sanitizer (memcheck and
+# racecheck), the main job, the benchmarks and the SASS of every kernel. Writes its logs
+# to LOGDIR (suite.log, bench.json, sass.txt) and prints a summary at the end.
+#
+#   tools/gpu_suite.sh LOGDIR [stage ...]     stages: ptx tests sanitize demo bench sass multi
+#                                             (default: all but multi)
+set -u
+LOG=${1:?usage: tools/gpu_suite.sh LOGDIR [stage ...]}
+shift
+STAGES=${*:-ptx tests sanitize demo bench sass}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+mkdir -p "$LOG"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_CACHE_DISABLE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+SUITE="$LOG/suite.log"
+: > "$SUITE"
+declare -a SUMMARY
+
+stage() {  # stage NAME CMD...: run, tee into the log, remember the status
+  local name=$1; shift
+  echo "===== $name: $*" | tee -a "$SUITE"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$SUITE"
+  local rc=${PIPESTATUS[0]}
+  SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$*")")
+}
+
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+
+{ nvidia-smi; nvidia-smi topo -m; } >> "$SUITE" 2>&1
+want ptx && stage ptx $PY -m p3send check-ptx
+want tests && stage tests $PY -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout=900
+if want sanitize; then
+  stage memcheck compute-sanitizer --tool memcheck --error-exitcode 99 $PY tools/sanitize_cases.py
+  stage racecheck compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY tools/sanitize_cases.py
+fi
+want multi && stage multi $PY -m pytest tests/multi_gpu -q -rs -p no:cacheprovider --timeout=900
+want demo && stage demo $PY -m p3send demo
+want bench && stage bench $PY -m p3send bench --json "$LOG/bench.json"
+if want sass; then
+  : > "$LOG/sass.txt"
+  for f in ptx/*.ptx; do
+    grep -q '\.entry' "$f" || continue
+    ptxas -arch=sm_90 -v "$f" -o "$LOG/k.cubin" >> "$LOG/sass.txt" 2>&1 && \
+      cuobjdump -sass "$LOG/k.cubin" >> "$LOG/sass.txt" 2>&1
+  done
+  rm -f "$LOG/k.cubin"
+  SUMMARY+=("sass       written to $LOG/sass.txt")
+fi
+echo "===== summary" | tee -a "$SUITE"
+printf '%s\n' "${SUMMARY[@]}" | tee -a "$SUITE"
