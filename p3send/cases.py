@@ -310,7 +310,7 @@ def check_world(world: World, recv_of, out_of, guard: int = 0, recv_bytes: int |
         ref64 = ref.reduce(inner, d.topk_idx, d.weights, world.n_local, world.n_ranks, m)
         valid = ref.slot_pairs(d.topk_idx, world.n_local, world.n_ranks) >= 0
         vals = ref.bf16_to_f32(inner[: world.tokens * world.top_k * m].view(np.uint16)
-                               .reshape(world.tokens, world.top_k, -1)).astype(np.float64)
+                               .reshape(world.tokens, world.top_k, world.hidden)).astype(np.float64)
         absw = np.where(valid, np.abs(d.weights.astype(np.float64)), 0.0)
         absmax = np.einsum("tk,tkh->th", absw, np.abs(np.where(valid[..., None], vals, 0.0)))
         out = out_of(r)

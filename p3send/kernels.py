@@ -14,7 +14,7 @@ import numpy as np
 
 from . import driver, ptxdoc
 from .abi import P3_MAX_RANKS, P3PeerSendConfig, validate
-from .errors import ConfigError, P3SendError, ParamMismatchError
+from .errors import ConfigError, CudaError, P3SendError, ParamMismatchError
 
 FLAG_ROW_CACHE = 1
 FLAG_SIGNAL = 2
@@ -41,12 +41,15 @@ class Kernel:
     def __init__(self, module: "Module", name: str, params: list[ptxdoc.Param]):
         self.module, self.name, self.params = module, name, params
         self.func = driver.get_function(module.handle, name)
-        got = driver.param_info(self.func)
         want = [(p.offset, p.size) for p in params]
+        try:
+            got = driver.param_info(self.func, len(params))
+        except CudaError as e:
+            raise ParamMismatchError(f"{module.name}: entry {name} has fewer parameters than the "
+                                     f"{len(params)} documented ({e})") from e
         if got != want:
-            rows = "\n".join(f"  param {i}: documented {w}, driver {g}"
-                             for i, (w, g) in enumerate(zip(want + [None] * len(got), got + [None] * len(want)))
-                             if (w or g) and w != g)
+            rows = "\n".join(f"  param {i} ({p.name}): documented {w}, driver {g}"
+                             for i, (p, w, g) in enumerate(zip(params, want, got)) if w != g)
             raise ParamMismatchError(
                 f"{module.name}: entry {name}: the driver's parameter layout (offset, size) differs from "
                 f"the documented table:\n{rows}")
@@ -221,6 +224,8 @@ class ScatterSend:
     """
 
     THREADS = 1024
+    #: cp.async staging: 2 batches x 6 vectors x 16 B per thread (192 KiB: one CTA per SM).
+    SMEM = 2 * 6 * 16 * THREADS
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None):
         if n_experts < 1:
@@ -228,20 +233,22 @@ class ScatterSend:
         self.dev = device or driver.device()
         self.k = kernel("p3_scatter_send", self.dev)
         self.n_experts = int(n_experts)
-        self.state = driver.DeviceBuffer(self.n_experts * 9 * 4, fill=0)
+        self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0)   # u64 done[e] + u32 pair[e][8]
         self.diag = driver.DeviceBuffer(16, fill=0)
+        self.smem = self.SMEM
+        if self.smem > self.dev.smem_optin:
+            raise P3SendError(f"p3_scatter_send needs {self.smem} B of shared memory per block; "
+                              f"{self.dev.name} allows {self.dev.smem_optin}")
+        driver.set_max_dynamic_smem(self.k.func, self.smem)
         self.set_num_sms(num_sms)
         self.block = self.k.params_block()
 
     def set_num_sms(self, num_sms: int | None) -> None:
+        """Use ``num_sms`` SMs (one CTA each: the staging buffer fills an SM's shared memory)."""
         sms = self.dev.sm_count
         if num_sms is not None and not (1 <= num_sms <= sms):
             raise ValueError(f"num_sms: expected 1..{sms}, got {num_sms}")
         self.grid = num_sms or sms
-        # One CTA per SM: ask for more than half an SM's shared memory so two never share.
-        self.smem = 0 if num_sms in (None, sms) else self.dev.smem_per_sm // 2 + 1024
-        if self.smem:
-            driver.set_max_dynamic_smem(self.k.func, self.smem)
 
     def prepare(self, cfg: P3PeerSendConfig, c, expert_offsets, c_row_stride: int | None = None, *,
                 count_ptrs=None, row_cache: bool = False, p3_control: int = 0,
@@ -363,9 +370,12 @@ class RecvReduce:
             if need or a:
                 _aligned(name, a, align, problems)
             addrs[name] = a
+        units = n_tokens * -(-max(cfg.msg_bytes, 0) // 512)      # one warp per (token, 512-byte chunk)
+        if units >= 1 << 32:
+            problems.append(f"n_tokens: {n_tokens} tokens x {cfg.msg_bytes}-byte rows exceed 2^32 work units")
         if problems:
             raise ConfigError(problems, "receive launch")
-        warps = max(1, n_tokens)
+        warps = max(1, units)
         self.grid = max(1, min(self.max_ctas, -(-warps // (self.THREADS // 32))))
         return self.block.set(cfg=cfg, recv_ptr=addrs["recv"], counts_ptr=addrs["counts"],
                               topk_idx=addrs["topk_idx"], weights=addrs["weights"], out_ptr=addrs["out"],

@@ -32,7 +32,7 @@ want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 { nvidia-smi; nvidia-smi topo -m; } >> "$SUITE" 2>&1
 want ptx && stage ptx $PY -m p3send check-ptx
-want tests && stage tests $PY -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout=900
+want tests && stage tests $PY -m pytest ${P3_TESTS:-tests/gpu} -q -rs -p no:cacheprovider --timeout=900
 if want sanitize; then
   stage memcheck compute-sanitizer --tool memcheck --error-exitcode 99 $PY tools/sanitize_cases.py
   stage racecheck compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY tools/sanitize_cases.py
