@@ -34,6 +34,7 @@ class Combine:
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  max_rows: int | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
                  guard: bool = False, stamps: bool = True, num_sms: int | None = None, row_cache: bool = False):
+        """num_sms: SMs per rank's send (default: the GPU's SMs / n_ranks)."""
         problems = []
         if not (1 <= n_ranks <= P3_MAX_RANKS):
             problems.append(f"n_ranks: expected 1..{P3_MAX_RANKS}, got {n_ranks}")
@@ -71,7 +72,10 @@ class Combine:
         self.topk_idx = [alloc(4 * max(max_tokens * top_k, 1), 0xFF) for _ in R]
         self.weights = [alloc(4 * max(max_tokens * top_k, 1), 0) for _ in R]
         self.out = [alloc(max(max_tokens, 1) * self.msg, 0) for _ in R]
-        self.senders = [ScatterSend(n_local_experts, device=self.dev, num_sms=num_sms) for _ in R]
+        # On one GPU the ranks share it: by default each rank's send gets 1/n_ranks of the
+        # SMs, so all sends of a round run at once instead of one after another.
+        share = num_sms or max(1, self.dev.sm_count // n_ranks)
+        self.senders = [ScatterSend(n_local_experts, device=self.dev, num_sms=share) for _ in R]
         self.receivers = [RecvReduce(device=self.dev, max_ctas=max(1, 4 * self.dev.sm_count // n_ranks))
                           for _ in R]
         self.send_stamps = [alloc(16 * self.senders[r].grid, 0) if stamps else None for r in R]

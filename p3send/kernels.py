@@ -224,27 +224,30 @@ class ScatterSend:
     """
 
     THREADS = 1024
-    #: cp.async staging: 2 batches x 6 vectors x 16 B per thread (192 KiB: one CTA per SM).
-    SMEM = 2 * 6 * 16 * THREADS
+    #: cp.async staging per thread: 2 chunks x 6 vectors x 16 B (1024 threads: 192 KiB, one CTA per SM).
+    SMEM_PER_THREAD = 2 * 6 * 16
 
-    def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None):
+    def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
+                 threads: int = THREADS):
         if n_experts < 1:
             raise ValueError(f"n_experts: expected >= 1, got {n_experts}")
+        if threads % 32 or not (32 <= threads <= 1024):
+            raise ValueError(f"threads: expected a multiple of 32 in 32..1024, got {threads}")
         self.dev = device or driver.device()
         self.k = kernel("p3_scatter_send", self.dev)
-        self.n_experts = int(n_experts)
+        self.n_experts, self.threads = int(n_experts), threads
         self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0)   # u64 done[e] + u32 pair[e][8]
         self.diag = driver.DeviceBuffer(16, fill=0)
-        self.smem = self.SMEM
+        self.smem = self.SMEM_PER_THREAD * threads
         if self.smem > self.dev.smem_optin:
             raise P3SendError(f"p3_scatter_send needs {self.smem} B of shared memory per block; "
                               f"{self.dev.name} allows {self.dev.smem_optin}")
-        driver.set_max_dynamic_smem(self.k.func, self.smem)
+        driver.set_max_dynamic_smem(self.k.func, max(self.smem, self.SMEM_PER_THREAD * self.THREADS))
         self.set_num_sms(num_sms)
         self.block = self.k.params_block()
 
     def set_num_sms(self, num_sms: int | None) -> None:
-        """Use ``num_sms`` SMs (one CTA each: the staging buffer fills an SM's shared memory)."""
+        """Use ``num_sms`` SMs: one CTA each (a 1024-thread CTA's staging fills an SM's shared memory)."""
         sms = self.dev.sm_count
         if num_sms is not None and not (1 <= num_sms <= sms):
             raise ValueError(f"num_sms: expected 1..{sms}, got {num_sms}")
@@ -309,7 +312,7 @@ class ScatterSend:
                               n_experts=self.n_experts, flags=flags, p3_control=int(p3_control))
 
     def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
-        (block or self.block).launch((self.grid,), (self.THREADS,), stream, self.smem)
+        (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
 
     def __call__(self, cfg, c, expert_offsets, c_row_stride=None, *, stream=None, **kw) -> None:
         blk = self.prepare(cfg, c, expert_offsets, c_row_stride, **kw)
