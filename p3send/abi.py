@@ -139,6 +139,25 @@ CONFIG_DTYPE = np.dtype({
 })
 
 
+class P3SendCtx(ctypes.LittleEndianStructure):
+    """p3send's launch state for the in-epilogue send functions (ptx/p3_send_rows.ptx),
+    beside the ABI struct: 104 bytes, alignment 8, in device memory."""
+
+    _fields_ = [("count_ptrs", ctypes.c_uint64 * P3_MAX_RANKS),   # receive counts of p2p rank p
+                ("expert_offsets", ctypes.c_uint64),              # int32[n_experts+1]
+                ("state_ptr", ctypes.c_uint64),                   # sender state, 40*n_experts bytes
+                ("diag_ptr", ctypes.c_uint64),                    # u32[4] or 0
+                ("n_experts", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32),                       # FLAG_ROW_CACHE | FLAG_SIGNAL | FLAG_SCOPE_GPU
+                ("p3_control", ctypes.c_int32),                   # < 0: nothing sent
+                ("reserved", ctypes.c_uint32)]
+
+
+#: Bytes of a P3SendAcct (per-warp accounting of the send functions), initialised to
+#: expert = -1 and zeros: s32 expert, pad, u64 units, u32 pair[8].
+P3_SEND_ACCT_SIZE = 48
+
+
 def is_dangling(addr: int) -> bool:
     """True for null and for the small addresses Mojo uses as dangling pointers."""
     return int(addr) < DANGLING_LIMIT
@@ -217,6 +236,8 @@ def _check_table() -> None:
         off += f.size
     if off != P3_CONFIG_SIZE or ctypes.sizeof(P3PeerSendConfig) != P3_CONFIG_SIZE:
         raise ImportError("p3send.abi: P3PeerSendConfig is not 184 bytes")
+    if ctypes.sizeof(P3SendCtx) != 104 or P3SendCtx.p3_control.offset != 96:
+        raise ImportError("p3send.abi: P3SendCtx is not the documented 104-byte layout")
 
 
 _check_table()

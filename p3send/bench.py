@@ -14,7 +14,7 @@ import numpy as np
 
 from . import driver
 from .abi import P3PeerSendConfig
-from .kernels import RecvReduce, ScatterSend
+from .kernels import EpilogueSend, RecvReduce, ScatterSend
 from .layout import encode_range_table
 
 
@@ -238,7 +238,7 @@ def _latency(dev, msg: int, rows: int, num_sms: int, reps: int = 60, threads: in
     cfg.max_tokens_per_rank = rows
     cfg.msg_bytes, cfg.send_stamp_ptr, cfg.send_stamp_on = msg, sst.ptr, 1
     recvk = RecvReduce(device=dev, max_ctas=1)
-    sender.prepare(cfg, c, np.array([0, rows], np.int32), count_ptrs=[counts])
+    sender.prepare(cfg, c, np.array([0, rows], np.int32), count_ptrs=[counts], same_gpu=True)
     recvk.prepare(cfg, recv, counts, topk, w, outb, n_tokens=1, n_experts=1, timeout_ns=int(1e9), stamps=rst)
     sa, sb = driver.Stream(), driver.Stream()
     lat = []
@@ -284,6 +284,79 @@ def bench_latency(a, dev, out: dict) -> None:
     sender.close()
 
 
+def bench_epilogue(a, dev, rng, torch, out: dict) -> None:
+    """Fused (fp32 accumulator tiles -> bf16 in shared memory -> peers, one kernel) against
+    unfused (torch converts fp32 -> bf16 C in global memory, then p3_scatter_send), same
+    routing and bytes, prefill shape."""
+    n_cols, rows = a.hidden, a.tokens * a.top_k
+    msg = 2 * n_cols
+    off, table, src, _ = prefill_routing(a.tokens, a.ranks, a.top_k, a.experts, rng)
+    if torch is not None:
+        acc_t = torch.randn((rows, n_cols), dtype=torch.float32, device="cuda")
+        c_t = torch.empty((rows, n_cols), dtype=torch.bfloat16, device="cuda")
+        torch.cuda.synchronize()
+        acc = acc_t
+    else:
+        acc = driver.DeviceBuffer.from_array(rng.standard_normal((rows, n_cols)).astype(np.float32))
+    recvs = [driver.DeviceBuffer(a.tokens * a.top_k * msg) for _ in range(a.ranks)]
+    counts = [driver.DeviceBuffer(8 * a.experts * a.ranks, fill=0xFF) for _ in range(a.ranks)]
+    rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
+    offs = driver.DeviceBuffer.from_array(off)
+    cfg = P3PeerSendConfig.disabled()
+    cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, srcb.ptr
+    cfg.recv_buf_ptrs = [recvs[p].ptr if p < a.ranks else 0x1 for p in range(8)]
+    cfg.n_ranks = cfg.p2p_world_size = a.ranks
+    cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank = a.top_k, msg, a.tokens
+    s = driver.Stream()
+    timer = Timer(s)
+    cache = driver.DeviceBuffer(8 * rows, fill=0)       # the row cache: zeroed before every launch
+    cfg.row_base_ptr = cache.ptr
+    res, geo = {}, {}
+    for g in EPILOGUE_GEOMETRIES:
+        fused = EpilogueSend(a.experts, device=dev, **g)
+        fblk = fused.prepare(cfg, acc, n_cols, offs, expert_offsets_host=off, count_ptrs=counts, rows_in_acc=rows,
+                             row_cache=True)
+        name = "fused bm{bm} bn{bn} S{num_stages} N{send_warps} E{epilogue_warps}".format(**g)
+
+        def run(i, fused=fused, fblk=fblk):
+            cache.fill(0, s)
+            fused.launch(s, fblk)
+        res[name] = timer.run(run, a.iters, a.warmup)
+        geo[name] = {**g, "threads": fused.threads, "grid": fused.grid}
+        fused.close()
+    best = min(res, key=lambda k: res[k]["median_us"])
+    if torch is not None:
+        sender = ScatterSend(a.experts, device=dev)
+        sblk = sender.prepare(cfg, c_t, offs, expert_offsets_host=off, count_ptrs=counts, rows_in_c=rows)
+        ts = torch.cuda.ExternalStream(int(s))
+
+        def unfused(i):
+            with torch.cuda.stream(ts):
+                c_t.copy_(acc_t)          # fp32 -> bf16, round to nearest even
+            sender.launch(s, sblk)
+        res["unfused convert+send"] = timer.run(unfused, a.iters, a.warmup)
+        sender.close()
+    moved = rows * n_cols * 4 + rows * msg
+    for v in res.values():
+        v["TBps_rw"] = moved / (v["median_us"] * 1e-6) / 1e12
+    out["epilogue"] = {"rows": rows, "n_cols": n_cols, "geometries": geo, "best": best, "results": res}
+    if "unfused convert+send" in res:
+        out["epilogue"]["fused_over_unfused"] = res[best]["median_us"] / res["unfused convert+send"]["median_us"]
+    for b in recvs + counts + [rtab, srcb, offs, cache]:
+        b.free()
+
+
+#: Geometries of p3_epilogue_send measured side by side (the first is EpilogueSend's default).
+EPILOGUE_GEOMETRIES = (
+    dict(bm=128, bn=256, num_stages=4, send_warps=4, epilogue_warps=8),
+    dict(bm=64, bn=512, num_stages=4, send_warps=4, epilogue_warps=4),
+    dict(bm=64, bn=512, num_stages=4, send_warps=8, epilogue_warps=4),
+    dict(bm=64, bn=1024, num_stages=4, send_warps=4, epilogue_warps=4),
+    dict(bm=32, bn=1024, num_stages=2, send_warps=2, epilogue_warps=2),
+    dict(bm=32, bn=512, num_stages=2, send_warps=2, epilogue_warps=2),
+)
+
+
 def table(out: dict) -> str:
     L = [f"p3send bench on {out['device']} ({out['sm_count']} SMs), {out['date']}"]
     if "prefill" in out:
@@ -316,6 +389,14 @@ def table(out: dict) -> str:
         L.append(f"\n5. host: {h.get('launch_us', float('nan')):.2f} us per launch (prebuilt params), "
                  f"{out.get('decode', {}).get('graph_replay_host_us', float('nan')):.2f} us per graph replay "
                  "(target <= 10)")
+    if "epilogue" in out:
+        e = out["epilogue"]
+        L.append(f"\n6. in-epilogue send, prefill shape ({e['rows']} rows x {e['n_cols']} fp32 -> bf16 peers, "
+                 f"row cache on; TB/s counts fp32 read + bf16 write)")
+        for k, v in e["results"].items():
+            L.append(f"   {k:<36} {v['median_us']:9.1f} us  {v['TBps_rw']:6.2f} TB/s")
+        if "fused_over_unfused" in e:
+            L.append(f"   best fused / unfused     {e['fused_over_unfused']:.3f}x   (target <= 0.70): {e['best']}")
     for k, v in out.get("extra", {}).items():
         L.append(f"\n{k}: {v}")
     return "\n".join(L)
@@ -342,12 +423,7 @@ def main(args) -> int:
     if "latency" in args.only or "host" in args.only:
         bench_latency(args, dev, out)
     if "epilogue" in args.only:
-        try:
-            from .epilogue import bench_epilogue
-        except ImportError:
-            bench_epilogue = None
-        if bench_epilogue is not None:
-            bench_epilogue(args, dev, rng, out)
+        bench_epilogue(args, dev, rng, torch, out)
     text = table(out)
     print(text)
     with open(args.json, "w") as f:

@@ -38,6 +38,7 @@ class SendCase:
     src_info: np.ndarray
     c: np.ndarray
     notes: str = ""
+    acc: np.ndarray | None = None     # fp32 (rows_total, msg_bytes/2) for the epilogue send; c = bf16(acc)
 
     @property
     def n_experts(self) -> int:
@@ -175,6 +176,19 @@ def send_case(family: str = "random", seed: int | None = None) -> SendCase:
                     off.astype(np.int32), table, src, c, notes)
 
 
+def epilogue_case(family: str = "random", seed: int | None = None) -> SendCase:
+    """``send_case``'s routing with fp32 accumulators: acc (rows_total, msg_bytes/2) random
+    normal fp32, and c = bf16(acc) rounded to nearest even (what the epilogue must send)."""
+    case = send_case(family, seed)
+    rng = np.random.default_rng(case.seed + 1)
+    acc = rng.standard_normal((case.c.shape[0], case.msg_bytes // 2)).astype(np.float32)
+    acc[acc == 0] = 1.0
+    case.acc = acc
+    case.c = f32_to_bf16(acc).view(np.uint8).reshape(acc.shape[0], case.msg_bytes)
+    case.name = f"epilogue/{family}"
+    return case
+
+
 # ---------------------------------------------------------------- whole EP worlds
 
 @dataclass
@@ -285,16 +299,18 @@ def world_counts_expected(world: World, rank: int) -> np.ndarray:
     return cnt
 
 
-def check_world(world: World, recv_of, out_of, guard: int = 0, recv_bytes: int | None = None) -> list[str]:
+def check_world(world: World, recv_of, out_of, guard: int = 0, recv_bytes: int | None = None,
+                ranks=None) -> list[str]:
     """Compare a finished round with the oracle. recv_of(r): rank r's receive buffer bytes
     (flat uint8, with ``guard`` sentinel bytes on each side); out_of(r): rank r's output,
     bf16 bits (tokens, hidden). Returns one line per problem (empty = verified):
     receive buffers byte for byte (unowned slots and guards must hold the sentinel), the
-    reduce within bf16 rounding of the float64 reference."""
+    reduce within bf16 rounding of the float64 reference. ``ranks``: check only these
+    (default all; a process of a multi-process world checks its own)."""
     from . import reference as ref
     problems = []
     m = world.msg_bytes
-    for r in range(world.n_ranks):
+    for r in (range(world.n_ranks) if ranks is None else ranks):
         got = recv_of(r)
         inner_len = len(got) - 2 * guard if recv_bytes is None else recv_bytes
         want = np.full(len(got), SENTINEL, np.uint8)

@@ -16,10 +16,98 @@ from . import driver
 from .abi import P3_MAX_RANKS, P3PeerSendConfig
 from .errors import ArrivalTimeout, ConfigError
 from .kernels import RecvReduce, ScatterSend
-from .layout import recv_buf_bytes
+from .layout import NOT_ARRIVED, recv_buf_bytes
 
 #: Bytes of sentinel-filled guard before and after each receive buffer when asked for.
 GUARD = 4096
+
+
+# ---------------------------------------------------------------- one rank's pieces
+# Shared by Combine (every rank in this process) and world.Rank (one rank per process).
+
+def shape_problems(n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
+                   timeout_ms: float) -> list[str]:
+    """What is wrong with a combine shape (empty list: nothing)."""
+    problems = []
+    if not (1 <= n_ranks <= P3_MAX_RANKS):
+        problems.append(f"n_ranks: expected 1..{P3_MAX_RANKS}, got {n_ranks}")
+    if hidden <= 0 or hidden % 8:
+        problems.append(f"hidden: expected a positive multiple of 8 bf16 elements, got {hidden}")
+    if not (1 <= top_k <= 32):
+        problems.append(f"top_k: expected 1..32, got {top_k}")
+    if max_tokens < 0:
+        problems.append(f"max_tokens: expected >= 0, got {max_tokens}")
+    if n_local_experts < 1:
+        problems.append(f"n_local_experts: expected >= 1, got {n_local_experts}")
+    if timeout_ms <= 0:
+        problems.append(f"timeout_ms: expected > 0, got {timeout_ms}")
+    return problems
+
+
+def rank_config(my_rank: int, n_ranks: int, recv_ptrs, *, top_k: int, msg_bytes: int, max_tokens: int,
+                range_table, src_info, row_base=None, send_stamps=None) -> P3PeerSendConfig:
+    """Rank ``my_rank``'s P3PeerSendConfig. recv_ptrs[p]: rank p's receive buffer as the
+    sender sees it (device addresses, own entry local); range_table, src_info, row_base,
+    send_stamps: device buffers or addresses (None: row cache / stamps off)."""
+    cfg = P3PeerSendConfig.disabled()
+    cfg.atomic_counter = driver.device_ptr(range_table, "range_table")
+    cfg.src_info_ptr = driver.device_ptr(src_info, "src_info")
+    if row_base is not None:
+        cfg.row_base_ptr = driver.device_ptr(row_base, "row_base")
+    cfg.recv_buf_ptrs = [int(recv_ptrs[p]) if p < n_ranks else 0x1 for p in range(P3_MAX_RANKS)]
+    cfg.n_ranks = cfg.p2p_world_size = n_ranks
+    cfg.top_k, cfg.msg_bytes = top_k, msg_bytes
+    cfg.max_tokens_per_rank, cfg.my_rank = max_tokens, my_rank
+    if send_stamps is not None:
+        cfg.send_stamp_ptr, cfg.send_stamp_on = driver.device_ptr(send_stamps, "send_stamps"), 1
+    return cfg
+
+
+def rank_inputs(what: str, *, c, expert_offsets, range_table, src_info, topk_idx, weights, hidden: int,
+                top_k: int, n_local: int, n_ranks: int, max_rows: int, max_tokens: int) -> dict:
+    """Check one rank's inputs (numpy) and return them ready to upload: {'c': uint16 (rows,
+    hidden), 'offs': int32 (n_local+1,), 'rtab': int32 (n_local*n_ranks*2,), 'src_info': int32
+    (rows, 2), 'topk_idx': int32 (tokens, top_k), 'weights': f32 (tokens, top_k)}.
+    Raises ConfigError titled ``what`` listing every problem."""
+    c = np.ascontiguousarray(c).view(np.uint16)
+    rows = c.shape[0]
+    off = np.asarray(expert_offsets, dtype=np.int32)
+    tk = np.asarray(topk_idx, dtype=np.int32)
+    problems = []
+    if c.ndim != 2 or c.shape[1] != hidden:
+        problems.append(f"c: expected (rows, {hidden}) bf16, got shape {c.shape}")
+    if rows > max_rows:
+        problems.append(f"c: {rows} rows exceed max_rows {max_rows}")
+    if off.shape != (n_local + 1,) or off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != rows:
+        problems.append(f"expert_offsets: expected {n_local + 1} non-decreasing values from 0 to "
+                        f"rows ({rows}), got {off.tolist()[:12]}")
+    if np.asarray(range_table).size != 2 * n_local * n_ranks:
+        problems.append(f"range_table: expected {2 * n_local * n_ranks} int32, got {np.asarray(range_table).size}")
+    if np.asarray(src_info).shape != (rows, 2):
+        problems.append(f"src_info: expected ({rows}, 2) int32, got {np.asarray(src_info).shape}")
+    if tk.ndim != 2 or tk.shape[1] != top_k or tk.shape[0] > max_tokens:
+        problems.append(f"topk_idx: expected (tokens <= {max_tokens}, {top_k}), got {tk.shape}")
+    if np.asarray(weights).shape != tk.shape:
+        problems.append(f"weights: expected shape {tk.shape}, got {np.asarray(weights).shape}")
+    if problems:
+        raise ConfigError(problems, what)
+    return {"c": c, "offs": off, "rtab": np.asarray(range_table, dtype=np.int32),
+            "src_info": np.asarray(src_info, dtype=np.int32), "topk_idx": tk,
+            "weights": np.asarray(weights, dtype=np.float32)}
+
+
+def arrival_status(rank: int, receiver: RecvReduce, counts: driver.DeviceBuffer, n_ranks: int):
+    """After rank's receive: ([], None) when every wait was satisfied, else (the missing
+    (rank, local_expert, source_rank) triples read from the counts still all-ones, the
+    kernel's record). Raises ConfigError if the kernel rejected its configuration.
+    counts: the rank's receive counts, u64 [n_local*n_ranks]."""
+    rec = receiver.record()
+    if rec["rejected"]:
+        raise ConfigError([f"rank {rank}: the receive kernel rejected its configuration"], "receive")
+    if not rec["timeouts"]:
+        return [], None
+    cnt = counts.download(np.uint64)
+    return [(rank, int(s) // n_ranks, int(s) % n_ranks) for s in np.nonzero(cnt == NOT_ARRIVED)[0]], rec
 
 
 class Combine:
@@ -35,19 +123,8 @@ class Combine:
                  max_rows: int | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
                  guard: bool = False, stamps: bool = True, num_sms: int | None = None, row_cache: bool = False):
         """num_sms: SMs per rank's send (default: the GPU's SMs / n_ranks)."""
-        problems = []
-        if not (1 <= n_ranks <= P3_MAX_RANKS):
-            problems.append(f"n_ranks: expected 1..{P3_MAX_RANKS}, got {n_ranks}")
-        if hidden <= 0 or hidden % 8:
-            problems.append(f"hidden: expected a positive multiple of 8 bf16 elements, got {hidden}")
-        if not (1 <= top_k <= 32):
-            problems.append(f"top_k: expected 1..32, got {top_k}")
-        if max_tokens < 0:
-            problems.append(f"max_tokens: expected >= 0, got {max_tokens}")
-        if n_local_experts < 1:
-            problems.append(f"n_local_experts: expected >= 1, got {n_local_experts}")
-        if timeout_ms <= 0:
-            problems.append(f"timeout_ms: expected > 0, got {timeout_ms}")
+        problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
+                                  n_local_experts=n_local_experts, timeout_ms=timeout_ms)
         if problems:
             raise ConfigError(problems, "Combine")
         self.dev = device or driver.device()
@@ -97,53 +174,26 @@ class Combine:
         return self.recv_alloc[r].ptr + self.guard
 
     def _config(self, r: int) -> P3PeerSendConfig:
-        cfg = P3PeerSendConfig.disabled()
-        cfg.atomic_counter = self.rtab[r].ptr
-        cfg.src_info_ptr = self.src_info[r].ptr
-        if self.row_base[r] is not None:
-            cfg.row_base_ptr = self.row_base[r].ptr
-        cfg.recv_buf_ptrs = [self.recv_ptr(p) if p < self.n_ranks else 0x1 for p in range(P3_MAX_RANKS)]
-        cfg.n_ranks = cfg.p2p_world_size = self.n_ranks
-        cfg.top_k, cfg.msg_bytes = self.top_k, self.msg
-        cfg.max_tokens_per_rank, cfg.my_rank = self.max_tokens, r
-        if self.send_stamps[r] is not None:
-            cfg.send_stamp_ptr, cfg.send_stamp_on = self.send_stamps[r].ptr, 1
-        return cfg
+        return rank_config(r, self.n_ranks, [self.recv_ptr(p) for p in range(self.n_ranks)], top_k=self.top_k,
+                           msg_bytes=self.msg, max_tokens=self.max_tokens, range_table=self.rtab[r],
+                           src_info=self.src_info[r], row_base=self.row_base[r], send_stamps=self.send_stamps[r])
 
     # ------------------------------------------------------------ inputs
     def set_rank(self, r: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights) -> None:
         """Upload rank r's inputs (numpy). c: bf16 bits uint16 (rows, hidden); expert_offsets
         int32 (n_local+1,) starting at 0; range_table int32 (n_local*n_ranks*2,); src_info int32
         (rows, 2); topk_idx int32 (tokens, top_k); weights f32 (tokens, top_k)."""
-        c = np.ascontiguousarray(c).view(np.uint16)
-        rows = c.shape[0]
-        off = np.asarray(expert_offsets, dtype=np.int32)
-        tk = np.asarray(topk_idx, dtype=np.int32)
-        problems = []
-        if c.ndim != 2 or c.shape[1] != self.hidden:
-            problems.append(f"c: expected (rows, {self.hidden}) bf16, got shape {c.shape}")
-        if rows > self.max_rows:
-            problems.append(f"c: {rows} rows exceed max_rows {self.max_rows}")
-        if off.shape != (self.n_local + 1,) or off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != rows:
-            problems.append(f"expert_offsets: expected {self.n_local + 1} non-decreasing values from 0 to "
-                            f"rows ({rows}), got {off.tolist()[:12]}")
-        if np.asarray(range_table).size != 2 * self.n_local * self.n_ranks:
-            problems.append(f"range_table: expected {2 * self.n_local * self.n_ranks} int32, got {np.asarray(range_table).size}")
-        if np.asarray(src_info).shape != (rows, 2):
-            problems.append(f"src_info: expected ({rows}, 2) int32, got {np.asarray(src_info).shape}")
-        if tk.ndim != 2 or tk.shape[1] != self.top_k or tk.shape[0] > self.max_tokens:
-            problems.append(f"topk_idx: expected (tokens <= {self.max_tokens}, {self.top_k}), got {tk.shape}")
-        if np.asarray(weights).shape != tk.shape:
-            problems.append(f"weights: expected shape {tk.shape}, got {np.asarray(weights).shape}")
-        if problems:
-            raise ConfigError(problems, f"rank {r} inputs")
-        self.c[r].upload(c)
-        self.offs[r].upload(off)
-        self.rtab[r].upload(np.asarray(range_table, dtype=np.int32))
-        self.src_info[r].upload(np.asarray(src_info, dtype=np.int32))
-        self.topk_idx[r].upload(tk)
-        self.weights[r].upload(np.asarray(weights, dtype=np.float32))
-        self.tokens[r] = tk.shape[0]
+        a = rank_inputs(f"rank {r} inputs", c=c, expert_offsets=expert_offsets, range_table=range_table,
+                        src_info=src_info, topk_idx=topk_idx, weights=weights, hidden=self.hidden,
+                        top_k=self.top_k, n_local=self.n_local, n_ranks=self.n_ranks, max_rows=self.max_rows,
+                        max_tokens=self.max_tokens)
+        self.c[r].upload(a["c"])
+        self.offs[r].upload(a["offs"])
+        self.rtab[r].upload(a["rtab"])
+        self.src_info[r].upload(a["src_info"])
+        self.topk_idx[r].upload(a["topk_idx"])
+        self.weights[r].upload(a["weights"])
+        self.tokens[r] = a["topk_idx"].shape[0]
         self._prepare(r)
 
     def load_world(self, world) -> None:
@@ -158,7 +208,7 @@ class Combine:
 
     def _prepare(self, r: int) -> None:
         self.senders[r].prepare(self.cfgs[r], self.c[r], self.offs[r], count_ptrs=[self.counts[p] for p in range(self.n_ranks)],
-                                row_cache=self.row_cache, rows_in_c=self.max_rows)
+                                row_cache=self.row_cache, rows_in_c=self.max_rows, same_gpu=True)
         self.receivers[r].prepare(self.cfgs[r], self.recv_ptr(r), self.counts[r], self.topk_idx[r], self.weights[r],
                                   self.out[r], n_tokens=self.tokens[r], n_experts=self.n_local,
                                   timeout_ns=self.timeout_ns, stamps=self.recv_stamps[r])
@@ -208,14 +258,9 @@ class Combine:
     def check(self) -> None:
         missing, record = [], None
         for r in range(self.n_ranks):
-            rec = self.receivers[r].record()
-            if rec["rejected"]:
-                raise ConfigError([f"rank {r}: the receive kernel rejected its configuration"], "receive")
-            if rec["timeouts"]:
-                record = record or rec
-                cnt = self.counts[r].download(np.uint64)
-                for slot in np.nonzero(cnt == np.uint64(0xFFFF_FFFF_FFFF_FFFF))[0]:
-                    missing.append((r, int(slot) // self.n_ranks, int(slot) % self.n_ranks))
+            m, rec = arrival_status(r, self.receivers[r], self.counts[r], self.n_ranks)
+            missing += m
+            record = record or rec
         if missing or record:
             for r in range(self.n_ranks):
                 self.counts[r].fill(0xFF)

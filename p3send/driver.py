@@ -79,6 +79,32 @@ def device_count() -> int:
     return call("cuDeviceGetCount")
 
 
+def pci_bus_id(ordinal: int) -> str:
+    """PCI bus id of GPU ``ordinal`` ("0000:19:00.0"): names one physical GPU the same way in
+    every process, whatever each process's CUDA_VISIBLE_DEVICES."""
+    raw = call("cuDeviceGetPCIBusId", 32, call("cuDeviceGet", ordinal))
+    raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+    return raw.split(b"\0", 1)[0].decode()
+
+
+def ordinal_of_pci_bus_id(bus_id: str) -> int | None:
+    """This process's ordinal of the GPU at ``bus_id``, or None when it is not visible here."""
+    try:
+        return int(call("cuDeviceGetByPCIBusId", bus_id.encode()))
+    except CudaError as e:
+        if e.name in ("CUDA_ERROR_INVALID_DEVICE", "CUDA_ERROR_INVALID_VALUE"):
+            return None
+        raise
+
+
+def can_access_peer(ordinal: int, peer: int) -> bool:
+    """Whether kernels on GPU ``ordinal`` can access memory of GPU ``peer`` (device
+    handles only: no context is created on ``peer``)."""
+    if ordinal == peer:
+        return True
+    return bool(call("cuDeviceCanAccessPeer", call("cuDeviceGet", ordinal), call("cuDeviceGet", peer)))
+
+
 class Device:
     """A GPU and its primary context (retained for the life of the process)."""
 
@@ -304,6 +330,44 @@ def load_module(ptx: str | bytes, name: str = "<ptx>"):
         log = f"[{name}]\n" + text(error)
         raise CudaError("cuModuleLoadDataEx", _err_name(cu, res[0]), int(res[0]), _err_str(cu, res[0]), log)
     return res[1], text(info)
+
+
+def link_ptx(inputs, options: dict | None = None) -> tuple[bytes, str]:
+    """Link PTX inputs ((name, text) pairs, ``.extern`` references resolved across them)
+    with the driver's JIT linker (cuLink*); return (the cubin, the info log).
+    ``options``: extra CUjit_option name -> value, e.g. {"CU_JIT_MAX_REGISTERS": 128}."""
+    cu = _cu()
+    info, error = bytearray(1 << 16), bytearray(1 << 16)
+    J = cu.CUjit_option
+    opts = [J.CU_JIT_INFO_LOG_BUFFER, J.CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+            J.CU_JIT_ERROR_LOG_BUFFER, J.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, J.CU_JIT_LOG_VERBOSE]
+    vals = [info, len(info), error, len(error), 1]
+    for k, v in (options or {}).items():
+        opts.append(getattr(J, k))
+        vals.append(v)
+    text = lambda b: bytes(b).split(b"\0", 1)[0].decode(errors="replace")  # noqa: E731
+    state = call("cuLinkCreate", len(opts), opts, vals)
+    try:
+        for name, src in inputs:
+            data = (src.encode() if isinstance(src, str) else bytes(src)) + b"\0"
+            res = cu.cuLinkAddData(state, cu.CUjitInputType.CU_JIT_INPUT_PTX, data, len(data), name.encode(), 0, [], [])
+            if res[0] != cu.CUresult.CUDA_SUCCESS:
+                raise CudaError("cuLinkAddData", _err_name(cu, res[0]), int(res[0]), _err_str(cu, res[0]),
+                                f"[{name}]\n" + text(error))
+        res = cu.cuLinkComplete(state)
+        if res[0] != cu.CUresult.CUDA_SUCCESS:
+            raise CudaError("cuLinkComplete", _err_name(cu, res[0]), int(res[0]), _err_str(cu, res[0]), text(error))
+        image, size = res[1], int(res[2])
+        # the image belongs to the link state: copy it out before cuLinkDestroy
+        image = ctypes.string_at(int(image), size) if not isinstance(image, (bytes, bytearray)) else bytes(image[:size])
+    finally:
+        cu.cuLinkDestroy(state)
+    return image, text(info)
+
+
+def load_image(image: bytes):
+    """Load a linked cubin (from ``link_ptx``)."""
+    return call("cuModuleLoadData", image)
 
 
 def get_function(module, name: str):

@@ -195,7 +195,8 @@ def lint(text: str, name: str = "<ptx>") -> list[str]:
     headers = ptxdoc.parse_header(text)
     declared = ptxdoc.parse_decls(text)
     decls = declarations(text)
-    defined = {d.name: d for d in decls if not d.extern}
+    protos = set(ptxdoc.prototypes(text))     # declared here, defined (and documented) elsewhere
+    defined = {d.name: d for d in decls if not d.extern and d.name not in protos}
     hdr_line = {m.group(2): i for i, s in enumerate(lines, 1) if (m := ptxdoc._HDR_START.match(s.rstrip()))}
     out: list[tuple[int, str]] = []
 
@@ -244,6 +245,9 @@ def file_problems(text: str, name: str = "<ptx>") -> list[str]:
     """Module-level rules: ``.version`` present and loadable by the oldest supported
     driver, ``.target`` present, 64-bit addresses, and one ``.entry`` named like the file."""
     out = []
+    bad = [i for i, line in enumerate(text.splitlines(), 1) if not line.isascii()]
+    if bad:  # ptxas refuses the whole file ("Unexpected non-ASCII character")
+        out.append(f"{name}:{bad[0]}: non-ASCII character (ptxas rejects the file)")
     v = ptxdoc.ptx_version(text)
     if v is None:
         out.append(f"{name}: no .version directive")
@@ -288,6 +292,9 @@ class Report:
     functions: list[Resources]
     log: str                          # the info log
     error: str = ""                   # the error log; "" when it assembled
+    # False for a relocatable compile of a module whose calls the loader inlines
+    # (whole-program JIT): its call-ABI frames are not what runs, so only errors count.
+    judge_resources: bool = True
 
     @property
     def ok(self) -> bool:
@@ -299,7 +306,7 @@ class Report:
         if self.error:
             return [f"{at}: assembler error:\n    " + "\n    ".join(self.error.strip().splitlines())]
         out = []
-        for r in self.functions:
+        for r in self.functions if self.judge_resources else ():
             stats = "\n    ".join(r.lines)
             if r.spill_stores or r.spill_loads:
                 out.append(f"{at}: {r.kind} {r.name} spills registers "
@@ -385,7 +392,7 @@ def _log(handle, size_fn, get_fn) -> str:
     return bytes(buf).rstrip(b"\0").decode(errors="replace")
 
 
-def assemble(ptx_text: str, name: str, arch: str, deps=()) -> Report:
+def assemble(ptx_text: str, name: str, arch: str, deps=(), options=(), judge_resources: bool = True) -> Report:
     """Assemble ``ptx_text`` for ``arch`` in-process with nvJitLink and parse its report.
 
     ``deps``: (name, text) of PTX files that define the ``.extern`` functions it calls.
@@ -400,7 +407,8 @@ def assemble(ptx_text: str, name: str, arch: str, deps=()) -> Report:
                       f"not assembled: .version {v[0]}.{v[1]} is newer than "
                       f"{MAX_PTX_VERSION[0]}.{MAX_PTX_VERSION[1]}")
     try:
-        handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
+        opts = [f"-arch={arch}", "-verbose", *options]
+        handle = nvjitlink.create(len(opts), opts)
     except nvjitlink.nvJitLinkError as e:
         return Report(name, arch, "nvjitlink", [], "", f"nvJitLink refuses -arch={arch}: {e}")
     try:
@@ -418,7 +426,9 @@ def assemble(ptx_text: str, name: str, arch: str, deps=()) -> Report:
             error = _log(handle, nvjitlink.get_error_log_size, nvjitlink.get_error_log) or error
     finally:
         nvjitlink.destroy(handle)
-    return Report(name, arch, "nvjitlink", _own_functions(ptx_text, parse_resources(info)), info, error)
+    tool = "nvjitlink" if judge_resources else "nvjitlink (relocatable, errors only)"
+    return Report(name, arch, tool, _own_functions(ptx_text, parse_resources(info)), info, error,
+                  judge_resources)
 
 
 def assemble_ptxas(ptx_text: str, name: str, arch: str, ptxas: str = "ptxas") -> Report:
@@ -441,6 +451,21 @@ def assemble_ptxas(ptx_text: str, name: str, arch: str, ptxas: str = "ptxas") ->
 
 # ----------------------------------------------------------------------------- command
 
+def assembly_unit(path: Path, text: str) -> tuple[str, list[str]]:
+    """What is assembled for ``path``, and the nvJitLink options for it.
+
+    A file declaring ``.visible .func`` prototypes becomes one module with the sibling
+    files defining them appended (what the loader JIT-compiles, whole-program, calls
+    inlined). nvJitLink compiles relocatably, so there its callees must fit the caller's
+    register budget (65536 / .maxntid) and its call-ABI frames are not what runs.
+    Raises ValueError when no sibling defines a prototype."""
+    siblings = [(o.name, o.read_text()) for o in sorted(path.parent.glob("*.ptx")) if o.resolve() != path.resolve()]
+    whole = ptxdoc.module_text(text, siblings)
+    m = re.search(r"\.maxntid\s+(\d+)", whole)
+    opts = [f"-maxrregcount={min(255, 65536 // int(m.group(1)) // 8 * 8)}"] if whole is not text and m else []
+    return whole, opts
+
+
 def check_file(path: Path, archs, use_ptxas: bool) -> tuple[list[Report], list[str]]:
     """Lint one file and assemble it for every arch: (reports, problems)."""
     try:
@@ -453,11 +478,20 @@ def check_file(path: Path, archs, use_ptxas: bool) -> tuple[list[Report], list[s
     # without entries (and, after some errors, everywhere).
     problems += [f"{path.name}: .extern .func {m} is defined by no PTX file in {path.parent}"
                  for m in sorted(missing)]
+    try:
+        whole, opts = assembly_unit(path, text)
+    except ValueError as e:
+        problems.append(f"{path.name}: {e}")
+        whole, opts = text, []
+    inlined = whole is not text
+    if inlined and not use_ptxas:
+        problems.append(f"{path.name}: calls functions the loader inlines: its resources are judged on a "
+                        "whole-program ptxas compile, and no ptxas is available")
     reports = []
     for arch in archs:
-        reports.append(assemble(text, path.name, arch, deps))
+        reports.append(assemble(whole, path.name, arch, deps, opts, judge_resources=not inlined))
         if use_ptxas:
-            reports.append(assemble_ptxas(text, path.name, arch))
+            reports.append(assemble_ptxas(whole, path.name, arch))
     for r in reports:
         problems += r.problems()
     return reports, problems

@@ -140,3 +140,35 @@ def ptx_version(text: str) -> tuple[int, int] | None:
 def ptx_target(text: str) -> str | None:
     m = re.search(r"^\s*\.target\s+(\w+)", text, re.M)
     return m.group(1) if m else None
+
+
+_PROTO = re.compile(r"\.visible\s+\.func\s+(?:\([^)]*\)\s*)?(\w+)\s*\([^)]*\)\s*;")
+_DEFN = r"\.visible\s+\.func\s+(?:\([^)]*\)\s*)?{name}\s*\([^)]*\)\s*\{{"
+_MODULE_DIRECTIVE = re.compile(r"^\s*\.(version|target|address_size)\b[^\n]*$", re.M)
+
+
+def prototypes(text: str) -> list[str]:
+    """Names of ``.visible .func`` prototypes (declared with ``;``, defined elsewhere)."""
+    return _PROTO.findall(_strip_comments(text))
+
+
+def module_text(text: str, siblings) -> str:
+    """The PTX assembled as ONE module for a file that declares ``.visible .func``
+    prototypes: the file itself (so JIT error lines still point into it), then the text
+    of each sibling file defining those functions, minus its module directives.
+    Compiled whole-program, the calls inline (no call-ABI stack). ``siblings``: iterable
+    of (name, text). Raises ValueError naming a prototype no sibling defines."""
+    wanted = prototypes(text)
+    if not wanted:
+        return text
+    parts, found = [text], set()
+    for name, other in siblings:
+        code = _strip_comments(other)
+        defined = {w for w in wanted if re.search(_DEFN.format(name=re.escape(w)), code)}
+        if defined - found:
+            parts.append(f"\n// ---- appended from {name} ----\n" + _MODULE_DIRECTIVE.sub("", other))
+            found |= defined
+    missing = sorted(set(wanted) - found)
+    if missing:
+        raise ValueError(f"no PTX file defines {', '.join(missing)}")
+    return "".join(parts)

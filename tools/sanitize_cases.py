@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from p3send import ArrivalTimeout, P3PeerSendConfig, kernels
-from p3send.cases import FAMILIES, check_world, send_case, world_case
+from p3send.cases import FAMILIES, check_world, epilogue_case, send_case, world_case
 from p3send.combine import Combine
 from tests.gpu.conftest import assert_send_exact, run_send
 
@@ -43,12 +43,15 @@ def main() -> int:
     comb.round()
     g.close()
     comb.close()
-    try:
-        from p3send import epilogue
-    except ImportError:
-        epilogue = None
-    if epilogue is not None and hasattr(epilogue, "sanitize_cases"):
-        epilogue.sanitize_cases(dev)
+    for n in (0, 2):   # the mailbox and named barriers: racecheck's main target
+        case = epilogue_case("masked_experts", 77 + n)
+        assert_send_exact(run_send(dev, case, row_cache=True, epilogue=dict(bm=16, bn=64, num_stages=4,
+                                                                             send_warps=n, epilogue_warps=2)))
+        print("epilogue ok", case, f"send_warps={n}", flush=True)
+    from tests.gpu.test_epilogue import LinkedConsumer
+    case = epilogue_case("random", 99)
+    assert_send_exact(run_send(dev, case, row_cache=True, sender_factory=lambda c: LinkedConsumer(dev, c)))
+    print("linked consumer ok", case, flush=True)
     print("sanitize cases: all results correct")
     return 0
 

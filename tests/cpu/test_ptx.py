@@ -49,19 +49,25 @@ def test_lint_shipped(path):
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_assemble_shipped(path, arch):
     text = path.read_text()
-    r = ptxcheck.assemble(text, path.name, arch, ptxcheck._providers(path, text)[0])
+    whole, opts = ptxcheck.assembly_unit(path, text)
+    inlined = whole is not text
+    r = ptxcheck.assemble(whole, path.name, arch, ptxcheck._providers(path, text)[0], opts,
+                          judge_resources=not inlined)
     assert r.problems() == []
     entries = [d.name for d in ptxcheck.declarations(text) if d.kind == "entry" and not d.extern]
     got = {f.name: f for f in r.functions}
     for e in entries:
-        assert got[e].regs > 0 and got[e].stack == 0 and got[e].spill_stores == 0
+        assert got[e].regs > 0
+        if not inlined:   # a relocatable compile keeps the calls the loader inlines: judged by ptxas below
+            assert got[e].stack == 0 and got[e].spill_stores == 0
 
 
 @needs_ptxas
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_ptxas_shipped(path, arch):
-    assert ptxcheck.assemble_ptxas(path.read_text(), path.name, arch).problems() == []
+    whole, _ = ptxcheck.assembly_unit(path, path.read_text())
+    assert ptxcheck.assemble_ptxas(whole, path.name, arch).problems() == []
 
 
 def test_cli_check_ptx_passes(capsys):

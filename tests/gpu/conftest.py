@@ -15,7 +15,7 @@ import pytest
 
 from p3send import P3PeerSendConfig, driver, reference as ref
 from p3send.cases import SENTINEL
-from p3send.kernels import ScatterSend
+from p3send.kernels import EpilogueSend, ScatterSend
 
 OK, WHY = driver.available()
 GUARD = 4096
@@ -61,12 +61,17 @@ class SendRun:
 
 
 def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=False, p3_control=0,
-             disabled=False, src_info=None, cache_init=None, num_sms=None, stream=None, c_obj=None) -> SendRun:
+             disabled=False, src_info=None, cache_init=None, num_sms=None, stream=None, c_obj=None,
+             epilogue: dict | None = None, sender_factory=None) -> SendRun:
     """Run ``case`` through p3_scatter_send once and return GPU bytes and oracle bytes.
 
     ``src_info`` replaces the case's src_info on the device only (the oracle keeps the
     case's); ``cache_init`` pre-fills the row cache (uint64 per row); ``c_obj`` supplies C as
-    any device array object (e.g. a torch tensor) instead of an upload of ``case.c``."""
+    any device array object (e.g. a torch tensor) instead of an upload of ``case.c``;
+    ``epilogue`` runs p3_epilogue_send (EpilogueSend options) on ``case.acc`` instead;
+    ``sender_factory(case)`` supplies any other sender: callable as
+    ``sender(cfg, c, case, stream=, count_ptrs=, row_cache=, p3_control=)``, with ``grid``,
+    ``state``, ``diagnostics()`` and ``close()`` like the launchers."""
     n_peers = case.p2p_world_size
     rbytes = case.max_tokens_per_rank * case.top_k * case.msg_bytes
     n_slots = case.n_experts * case.n_ranks
@@ -80,14 +85,19 @@ def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=Fal
     recv = [buf(rbytes + 2 * GUARD, SENTINEL) for _ in range(n_peers)]
     counts = [buf(8 * (n_slots + 4), 0xFF) for _ in range(n_peers)]
     c = buf(0, data=case.c) if c_obj is None else c_obj
-    offs = buf(0, data=case.expert_offsets.astype(np.int32))
     rtab = buf(0, data=case.range_table.astype(np.int32))
     src = buf(0, data=(case.src_info if src_info is None else src_info).astype(np.int32))
     rows_total = case.c.shape[0]
     cache = buf(8 * max(rows_total, 1), 0) if row_cache else None
     if cache is not None and cache_init is not None:
         cache.upload(np.asarray(cache_init, dtype=np.uint64))
-    sender = ScatterSend(case.n_experts, device=dev, num_sms=num_sms)
+    if sender_factory is not None:
+        sender = sender_factory(case)
+    elif epilogue is None:
+        sender = ScatterSend(case.n_experts, device=dev, num_sms=num_sms)
+    else:
+        sender = EpilogueSend(case.n_experts, device=dev, **epilogue)
+        acc = buf(0, data=case.acc)
     st = buf(16 * sender.grid, 0) if stamps else None
     tr = buf(8 * 16 * sender.grid, 0) if trace else None
 
@@ -105,8 +115,13 @@ def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=Fal
             cfg.trace_ptr, cfg.trace_on, cfg.send_trace_slot = tr.ptr, 1, 3
     count_ptrs = [counts[p].ptr + 16 for p in range(n_peers)] if signal and not disabled else None
     try:
-        sender(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride, stream=stream,
-               count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control)
+        common = dict(stream=stream, count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control)
+        if sender_factory is not None:
+            sender(cfg, c, case, **common)
+        elif epilogue is None:
+            sender(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride, **common)
+        else:
+            sender(cfg, acc, case.msg_bytes // 2, case.expert_offsets.astype(np.int32), **common)
         driver.device().synchronize()
         got_recv = [b.download() for b in recv]
         got_counts = [b.download(np.uint64) for b in counts]

@@ -1,0 +1,222 @@
+"""The documentation cannot drift from the PTX (CPU only, no CUDA).
+
+docs/ABI.md, section "Kernel entry points", has one subsection per shipped kernel,
+headed by its entry name, holding a markdown table with the columns
+``off | size | type | name | meaning``: its rows must be the PARAMS rows of that PTX
+file's header (``ptxdoc.parse_header``), in order, field for field. docs/PROTOCOL.md
+must name every shipped entry. The tables are parsed as markdown (cells split on
+unescaped ``|``, backticks and backslash escapes removed, whitespace collapsed), so
+formatting may change freely while the content may not.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from p3send import kernels, ptxdoc
+
+ROOT = Path(__file__).resolve().parents[2]
+PTX_DIR = ROOT / "ptx"
+ABI = ROOT / "docs" / "ABI.md"
+PROTOCOL = ROOT / "docs" / "PROTOCOL.md"
+KERNEL_HEADING = "## Kernel entry points"
+PARAM_COLUMNS = ["off", "size", "type", "name", "meaning"]
+KNOWN_ENTRIES = {"p3_abi_echo", "p3_scatter_send", "p3_recv_reduce"}
+
+
+def _shipped():
+    """(file name, ptxdoc.Entry) for every documented .entry of every shipped PTX file."""
+    out = []
+    for path in sorted(PTX_DIR.glob("*.ptx")):
+        for entry in ptxdoc.parse_header(path.read_text()).values():
+            if entry.kind == "entry":
+                out.append((path.name, entry))
+    return out
+
+
+SHIPPED = _shipped()
+IDS = [e.name for _, e in SHIPPED]
+
+
+# ---------------------------------------------------------------- markdown helpers
+
+def _norm(cell: str) -> str:
+    """A table cell as plain text: no backticks, no backslash escapes, single spaces."""
+    cell = cell.replace("`", "")
+    cell = re.sub(r"\\(.)", r"\1", cell)
+    return " ".join(cell.split())
+
+
+def md_tables(text: str) -> list[list[list[str]]]:
+    """Every markdown table of ``text`` as rows of normalised cells (separator rows dropped)."""
+    tables, cur = [], []
+    for line in text.splitlines() + [""]:
+        s = line.strip()
+        if s.startswith("|"):
+            cells = re.split(r"(?<!\\)\|", s)[1:]
+            if cells and cells[-1].strip() == "":
+                cells = cells[:-1]
+            cells = [_norm(c) for c in cells]
+            if not all(re.fullmatch(r":?-{3,}:?", c) for c in cells):
+                cur.append(cells)
+        elif cur:
+            tables.append(cur)
+            cur = []
+    return tables
+
+
+def kernel_section(doc: str) -> str:
+    """The text under ``## Kernel entry points`` up to the next level-2 heading."""
+    m = re.search(rf"^{re.escape(KERNEL_HEADING)}[ \t]*$", doc, flags=re.M)
+    assert m, f"docs/ABI.md has no '{KERNEL_HEADING}' heading"
+    rest = doc[m.end():]
+    nxt = re.search(r"^## ", rest, flags=re.M)
+    return rest[: nxt.start()] if nxt else rest
+
+
+def kernel_subsection(section: str, entry: str) -> str | None:
+    """The ``### ...`` subsection whose heading names ``entry`` (as a whole word)."""
+    heads = list(re.finditer(r"^### (.*)$", section, flags=re.M))
+    for i, h in enumerate(heads):
+        if re.search(rf"(?<![\w]){re.escape(entry)}(?![\w])", h.group(1)):
+            end = heads[i + 1].start() if i + 1 < len(heads) else len(section)
+            return section[h.end():end]
+    return None
+
+
+def documented_params(section: str, entry: str) -> list[list[str]]:
+    """The rows of ``entry``'s parameter table (the one table with PARAM_COLUMNS)."""
+    sub = kernel_subsection(section, entry)
+    assert sub is not None, f"docs/ABI.md '{KERNEL_HEADING}' has no '### {entry}' subsection"
+    tables = [t for t in md_tables(sub) if t and [c.lower() for c in t[0]] == PARAM_COLUMNS]
+    assert len(tables) == 1, (f"docs/ABI.md, {entry}: expected one table with columns "
+                              f"{' | '.join(PARAM_COLUMNS)}, found {len(tables)}")
+    return tables[0][1:]
+
+
+def param_drift(entry: ptxdoc.Entry, rows: list[list[str]]) -> list[str]:
+    """Differences between the PTX header's PARAMS and the documented rows (empty = none)."""
+    want = [[str(p.offset), str(p.size), p.type, p.name] for p in entry.params]
+    got = [r[:4] for r in rows]
+    problems = [f"row {i}: documented {g}, PTX header {w}"
+                for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    problems += [f"row {i}: in the PTX header but not documented: {w}" for i, w in enumerate(want) if i >= len(got)]
+    problems += [f"row {i}: documented but not in the PTX header: {g}" for i, g in enumerate(got) if i >= len(want)]
+    problems += [f"row {i}: expected 5 cells, got {len(r)}: {r}" for i, r in enumerate(rows) if len(r) != 5]
+    return problems
+
+
+@pytest.fixture(scope="module")
+def abi_doc() -> str:
+    return ABI.read_text()
+
+
+@pytest.fixture(scope="module")
+def section(abi_doc) -> str:
+    return kernel_section(abi_doc)
+
+
+# ---------------------------------------------------------------- docs/ABI.md
+
+def test_every_known_kernel_is_shipped_and_documented_in_its_ptx():
+    # Guards the parametrised tests below against an empty list (a renamed directory,
+    # a header the parser no longer reads).
+    assert KNOWN_ENTRIES <= set(IDS), f"shipped entries with a PTX header: {IDS}"
+    for name, entry in SHIPPED:
+        assert entry.params and entry.params[0].offset == 0 and entry.params[0].type == "P3PeerSendConfig", name
+
+
+def test_kernel_section_is_the_last_section(abi_doc):
+    heads = re.findall(r"^## .*$", abi_doc, flags=re.M)
+    assert heads.count(KERNEL_HEADING) == 1, heads
+    assert heads[-1] == KERNEL_HEADING, f"sections after '{KERNEL_HEADING}': {heads[heads.index(KERNEL_HEADING) + 1:]}"
+
+
+@pytest.mark.parametrize("fname,entry", SHIPPED, ids=IDS)
+def test_param_table_matches_the_ptx_header(section, fname, entry):
+    rows = documented_params(section, entry.name)
+    problems = param_drift(entry, rows)
+    assert not problems, f"docs/ABI.md table of {entry.name} differs from {fname}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("fname,entry", SHIPPED, ids=IDS)
+def test_param_meanings_match_the_ptx_header(section, fname, entry):
+    rows = documented_params(section, entry.name)
+    got = {r[3]: r[4] for r in rows if len(r) == 5}
+    drift = [f"{p.name}:\n  PTX:  {_norm(p.meaning)}\n  docs: {got.get(p.name)}"
+             for p in entry.params if got.get(p.name) != _norm(p.meaning)]
+    assert not drift, f"docs/ABI.md meanings of {entry.name} differ from {fname}:\n" + "\n".join(drift)
+
+
+def test_documented_kernels_are_shipped(section):
+    # A kernel removed from ptx/ must not leave a stale subsection behind.
+    named = re.findall(r"^### `(p3_\w+)`", section, flags=re.M)
+    assert set(named) == set(IDS), f"subsections {named}, shipped entries {IDS}"
+
+
+@pytest.mark.parametrize("path", sorted(PTX_DIR.glob("*.ptx")), ids=lambda p: p.name)
+def test_supported_drivers_name_the_ptx_version_and_target(section, path):
+    text = path.read_text()
+    major, minor = ptxdoc.ptx_version(text)
+    target = ptxdoc.ptx_target(text)
+    assert f".version {major}.{minor}" in section and f".target {target}" in section, (
+        f"{path.name} is .version {major}.{minor} .target {target}; the kernel section does not say so")
+
+
+def test_flags_agree_between_ptx_launcher_and_docs(section):
+    send = next(e for _, e in SHIPPED if e.name == "p3_scatter_send")
+    meaning = next(p.meaning for p in send.params if p.name == "flags")
+    in_ptx = {name: 1 << int(bit) for bit, name in re.findall(r"bit(\d+)\s+(FLAG_\w+)", meaning)}
+    in_code = {n: getattr(kernels, n) for n in dir(kernels) if n.startswith("FLAG_")}
+    sub = kernel_subsection(section, "p3_scatter_send")
+    flag_tables = [t for t in md_tables(sub) if t and [c.lower() for c in t[0][:3]] == ["bit", "value", "name"]]
+    assert len(flag_tables) == 1, "docs/ABI.md p3_scatter_send: expected one flags table (bit | value | name | ...)"
+    in_docs = {r[2]: int(r[1]) for r in flag_tables[0][1:]}
+    assert all(int(r[1]) == 1 << int(r[0]) for r in flag_tables[0][1:]), flag_tables[0]
+    assert in_ptx == in_code == in_docs, f"PTX header {in_ptx}, kernels.py {in_code}, docs {in_docs}"
+
+
+# ---------------------------------------------------------------- the matcher itself
+
+def test_the_matcher_sees_a_drifted_row(section):
+    # The comparison must fail on a wrong offset, a wrong type and a missing row,
+    # or the tests above would pass on any document.
+    send = next(e for _, e in SHIPPED if e.name == "p3_scatter_send")
+    rows = documented_params(section, "p3_scatter_send")
+    assert param_drift(send, rows) == []
+    moved = [list(r) for r in rows]
+    moved[2][0] = str(int(moved[2][0]) - 8)
+    assert any("row 2" in p for p in param_drift(send, moved))
+    retyped = [list(r) for r in rows]
+    retyped[-1][2] = "u32"
+    assert param_drift(send, retyped)
+    assert any("not documented" in p for p in param_drift(send, rows[:-1]))
+
+
+def test_markdown_cells_unescape_and_split_only_on_real_pipes():
+    tables = md_tables("text\n| off | name | meaning |\n| ---: | --- | --- |\n"
+                       "| 8 | `x` | a \\* b \\| c |\n\nmore\n")
+    assert tables == [[["off", "name", "meaning"], ["8", "x", "a * b | c"]]]
+
+
+# ---------------------------------------------------------------- docs/PROTOCOL.md
+
+@pytest.mark.parametrize("fname,entry", SHIPPED, ids=IDS)
+def test_protocol_names_every_kernel(fname, entry):
+    text = PROTOCOL.read_text()
+    assert re.search(rf"(?<![\w]){re.escape(entry.name)}(?![\w])", text), (
+        f"docs/PROTOCOL.md does not mention {entry.name} ({fname})")
+
+
+def test_protocol_cites_only_existing_ptx_labels():
+    # docs/PROTOCOL.md points reviewers at labels, e.g. `ptx/p3_recv_reduce.ptx` (`REARM`, ...):
+    # a renamed label must not leave a dangling reference.
+    text = PROTOCOL.read_text()
+    cited = re.findall(r"`ptx/(\w+\.ptx)` \(([^)]*)\)", text)
+    assert cited, "docs/PROTOCOL.md cites no PTX labels (expected its SPEC table to)"
+    missing = [f"{fname}: {label}" for fname, inner in cited
+               for label in re.findall(r"`([A-Z][A-Z0-9_]*)`", inner)
+               if not re.search(rf"^{label}:", (PTX_DIR / fname).read_text(), flags=re.M)]
+    assert not missing, "docs/PROTOCOL.md cites labels that the PTX no longer has:\n" + "\n".join(missing)

@@ -1,0 +1,208 @@
+"""Maintainer experiment: how fast can the SMs copy on this GPU, next to the driver's
+device-to-device copy? Two minimal copy kernels (written here, not shipped): a
+grid-stride 16-byte load/store copy, and a bulk-copy (TMA, cp.async.bulk) copy through
+shared memory. The scatter-send can only be as fast as the SM-issued copy."""
+from __future__ import annotations
+
+import numpy as np
+
+from p3send import driver, kernels
+from p3send.bench import Timer, _random_bytes
+
+COPY_PTX = r"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry copy_v4(.param .u64 dst, .param .u64 src, .param .u64 nvec)
+{
+    .reg .pred %p;
+    .reg .b32 %r<8>;
+    .reg .b32 %a<16>;
+    .reg .b64 %rd<16>;
+    ld.param.u64 %rd1, [dst];
+    ld.param.u64 %rd2, [src];
+    ld.param.u64 %rd3, [nvec];
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %nctaid.x;
+    mad.lo.u32 %r5, %r1, %r2, %r3;
+    cvt.u64.u32 %rd4, %r5;                 // v
+    mul.wide.u32 %rd5, %r4, %r2;           // stride
+    shl.b64 %rd6, %rd5, 2;                 // 4*stride
+LOOP:
+    mad.lo.u64 %rd7, %rd5, 3, %rd4;
+    setp.ge.u64 %p, %rd7, %rd3;
+    @%p bra TAIL;
+    mad.lo.u64 %rd8, %rd4, 16, %rd2;
+    shl.b64 %rd9, %rd5, 4;
+    add.s64 %rd10, %rd8, %rd9;
+    add.s64 %rd11, %rd10, %rd9;
+    add.s64 %rd12, %rd11, %rd9;
+    ld.global.nc.v4.u32 {%a0, %a1, %a2, %a3}, [%rd8];
+    ld.global.nc.v4.u32 {%a4, %a5, %a6, %a7}, [%rd10];
+    ld.global.nc.v4.u32 {%a8, %a9, %a10, %a11}, [%rd11];
+    ld.global.nc.v4.u32 {%a12, %a13, %a14, %a15}, [%rd12];
+    mad.lo.u64 %rd8, %rd4, 16, %rd1;
+    add.s64 %rd10, %rd8, %rd9;
+    add.s64 %rd11, %rd10, %rd9;
+    add.s64 %rd12, %rd11, %rd9;
+    st.global.v4.u32 [%rd8], {%a0, %a1, %a2, %a3};
+    st.global.v4.u32 [%rd10], {%a4, %a5, %a6, %a7};
+    st.global.v4.u32 [%rd11], {%a8, %a9, %a10, %a11};
+    st.global.v4.u32 [%rd12], {%a12, %a13, %a14, %a15};
+    add.s64 %rd4, %rd4, %rd6;
+    bra.uni LOOP;
+TAIL:
+    setp.ge.u64 %p, %rd4, %rd3;
+    @%p bra DONE;
+    mad.lo.u64 %rd8, %rd4, 16, %rd2;
+    ld.global.nc.v4.u32 {%a0, %a1, %a2, %a3}, [%rd8];
+    mad.lo.u64 %rd8, %rd4, 16, %rd1;
+    st.global.v4.u32 [%rd8], {%a0, %a1, %a2, %a3};
+    add.s64 %rd4, %rd4, %rd5;
+    bra.uni TAIL;
+DONE:
+    ret;
+}
+"""
+
+# One thread per CTA drives a ring of S stages of CH bytes: loads run L chunks ahead of
+# the stores; a stage is reloaded only after the store that read it has finished reading.
+BULK_PTX = r"""
+.version 8.0
+.target sm_90
+.address_size 64
+.extern .shared .align 128 .b8 ring[];
+.visible .entry copy_bulk(.param .u64 dst, .param .u64 src, .param .u64 nchunks, .param .u32 chunk)
+{
+    .shared .align 8 .b64 bars[16];
+    .reg .pred %p, %q;
+    .reg .b32 %r<16>;
+    .reg .b64 %rd<16>;
+    mov.u32 %r1, %tid.x;
+    setp.ne.u32 %p, %r1, 0;
+    @%p bra DONE;
+    ld.param.u64 %rd1, [dst];
+    ld.param.u64 %rd2, [src];
+    ld.param.u64 %rd3, [nchunks];
+    ld.param.u32 %r2, [chunk];
+    mov.u32 %r3, %ctaid.x;
+    mov.u32 %r4, %nctaid.x;
+    // my chunks: c = ctaid + k*nctaid, k = 0..n-1
+    cvt.u64.u32 %rd4, %r3;
+    cvt.u64.u32 %rd5, %r4;
+    setp.ge.u64 %p, %rd4, %rd3;
+    @%p bra DONE;
+    sub.s64 %rd6, %rd3, %rd4;
+    add.s64 %rd6, %rd6, %rd5;
+    sub.s64 %rd6, %rd6, 1;
+    div.u64 %rd6, %rd6, %rd5;              // n
+    mov.u32 %r5, 0;
+INIT:
+    mov.u32 %r6, bars;
+    mad.lo.u32 %r6, %r5, 8, %r6;
+    mbarrier.init.shared::cta.b64 [%r6], 1;
+    add.u32 %r5, %r5, 1;
+    setp.lt.u32 %p, %r5, 12;
+    @%p bra INIT;
+    fence.mbarrier_init.release.cluster;
+    fence.proxy.async.shared::cta;
+    mov.u64 %rd7, 0;                        // k: iteration
+    add.s64 %rd8, %rd6, 6;                  // n + L
+LOOP:
+    setp.ge.u64 %p, %rd7, %rd8;
+    @%p bra DRAIN;
+    setp.ge.u64 %p, %rd7, %rd6;
+    @%p bra STORE_PART;
+    // load chunk k into stage k % 12 once the store of chunk k-12 has read it
+    setp.ge.u64 %q, %rd7, 12;
+    @%q cp.async.bulk.wait_group.read 5;    // S - L - 1 store groups may stay pending
+    rem.u64 %rd9, %rd7, 12;
+    cvt.u32.u64 %r7, %rd9;
+    mov.u32 %r6, bars;
+    mad.lo.u32 %r6, %r7, 8, %r6;
+    mov.u32 %r8, ring;
+    mad.lo.u32 %r8, %r7, %r2, %r8;
+    mad.lo.u64 %rd10, %rd7, %rd5, %rd4;     // chunk index
+    cvt.u64.u32 %rd11, %r2;
+    mad.lo.u64 %rd12, %rd10, %rd11, %rd2;
+    mbarrier.arrive.expect_tx.shared::cta.b64 %rd13, [%r6], %r2;
+    cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r8], [%rd12], %r2, [%r6];
+STORE_PART:
+    setp.lt.u64 %p, %rd7, 6;
+    @%p bra NEXT;
+    sub.s64 %rd9, %rd7, 6;                  // j = k - L
+    rem.u64 %rd10, %rd9, 12;
+    cvt.u32.u64 %r7, %rd10;
+    div.u64 %rd10, %rd9, 12;
+    cvt.u32.u64 %r9, %rd10;
+    and.b32 %r9, %r9, 1;                    // phase parity of stage use j / S
+    mov.u32 %r6, bars;
+    mad.lo.u32 %r6, %r7, 8, %r6;
+    mov.u32 %r10, 0;
+WAIT:
+    mbarrier.try_wait.parity.shared::cta.b64 %q, [%r6], %r9;
+    add.u32 %r10, %r10, 1;
+    setp.gt.u32 %p, %r10, 100000000;
+    @%p bra DONE;                           // never hang an experiment
+    @!%q bra WAIT;
+    mov.u32 %r8, ring;
+    mad.lo.u32 %r8, %r7, %r2, %r8;
+    mad.lo.u64 %rd10, %rd9, %rd5, %rd4;
+    cvt.u64.u32 %rd11, %r2;
+    mad.lo.u64 %rd12, %rd10, %rd11, %rd1;
+    cp.async.bulk.global.shared::cta.bulk_group [%rd12], [%r8], %r2;
+    cp.async.bulk.commit_group;
+NEXT:
+    add.s64 %rd7, %rd7, 1;
+    bra.uni LOOP;
+DRAIN:
+    cp.async.bulk.wait_group 0;
+DONE:
+    ret;
+}
+"""
+
+
+def main() -> int:
+    dev = driver.device()
+    rng = np.random.default_rng(2)
+    nbytes = 32768 * 14336
+    src = _random_bytes(nbytes, rng)
+    dst = driver.DeviceBuffer(nbytes)
+    s = driver.Stream()
+    timer = Timer(s)
+    res = {"cuMemcpyDtoD": timer.run(lambda i: driver.memcpy_dtod(dst.ptr, src.ptr, nbytes, s), 40, 5)["median_us"]}
+    k = kernels.load(COPY_PTX, device=dev, name="copy_v4.ptx")["copy_v4"]
+    for grid, block in ((dev.sm_count * 4, 512), (dev.sm_count * 2, 1024), (dev.sm_count * 8, 256)):
+        blk = k.params_block(dst=dst, src=src, nvec=nbytes // 16)
+        res[f"sm copy v4x4 {grid}x{block}"] = timer.run(lambda i: blk.launch((grid,), (block,), s), 40, 5)["median_us"]
+    kb = kernels.load(BULK_PTX, device=dev, name="copy_bulk.ptx")["copy_bulk"]
+    for chunk in (8192, 16384):
+        smem = 12 * chunk
+        if smem > dev.smem_optin:
+            continue
+        driver.set_max_dynamic_smem(kb.func, smem)
+        blk = kb.params_block(dst=dst, src=src, nchunks=nbytes // chunk, chunk=chunk)
+        for per_sm in (1, 2):
+            if per_sm * smem > dev.smem_per_sm:
+                continue
+            grid = dev.sm_count * per_sm
+            name = f"bulk copy {chunk // 1024}K x12 {grid} CTAs"
+            res[name] = timer.run(lambda i: blk.launch((grid,), (32,), s, smem), 40, 5)["median_us"]
+    dst.fill(0)
+    blk = kb.params_block(dst=dst, src=src, nchunks=nbytes // 16384, chunk=16384)
+    driver.set_max_dynamic_smem(kb.func, 12 * 16384)
+    blk.launch((dev.sm_count,), (32,), s, 12 * 16384)
+    s.synchronize()
+    same = bool((dst.download(np.uint8, nbytes=1 << 24) == src.download(np.uint8, nbytes=1 << 24)).all())
+    base = res["cuMemcpyDtoD"]
+    for name, us in res.items():
+        print(f"{name:<34} {us:8.1f} us  {2 * nbytes / us / 1e6:5.2f} TB/s  {us / base:.3f}x")
+    print(f"bulk copy result correct (first 16 MiB): {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
