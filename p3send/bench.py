@@ -20,7 +20,7 @@ from .layout import encode_range_table
 
 def add_arguments(p) -> None:
     p.add_argument("--only", action="append", default=None,
-                   choices=["prefill", "budget", "decode", "latency", "host", "epilogue"],
+                   choices=["prefill", "budget", "decode", "latency", "host", "epilogue", "two_gpu"],
                    help="run only these sections (default: all)")
     p.add_argument("--tokens", type=int, default=4096, help="prefill tokens per rank (default 4096)")
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -66,14 +66,17 @@ def _torch():
         return None
 
 
-def _random_bytes(nbytes: int, rng, torch=None) -> driver.DeviceBuffer:
-    """A device buffer of random non-zero bytes (generated on the GPU when torch is there)."""
+def _random_bytes(nbytes: int, rng, torch=None, ordinal: int = 0) -> driver.DeviceBuffer:
+    """A buffer of random non-zero bytes on GPU ``ordinal`` (made current), generated on the
+    GPU when torch is there."""
+    driver.device(ordinal)
     buf = driver.DeviceBuffer(nbytes)
     if torch is not None:
-        t = torch.randint(1, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()
+        t = torch.randint(1, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{ordinal}")
+        torch.cuda.synchronize(ordinal)
+        driver.device(ordinal)
         driver.memcpy_dtod(buf.ptr, t.data_ptr(), nbytes, driver.Stream(null=True))
-        driver.device().synchronize()
+        driver.device(ordinal).synchronize()
         del t
     else:
         chunk = 1 << 26
@@ -218,29 +221,36 @@ def bench_decode(a, dev, rng, out: dict) -> None:
     comb.close()
 
 
-def _latency(dev, msg: int, rows: int, num_sms: int, reps: int = 60, threads: int = ScatterSend.THREADS) -> dict:
-    """``rows`` rows of one expert to one rank; the receiver (one CTA, one token) spins on
-    stream A, then the sender runs on stream B. Latency = the receiver's observe stamp -
-    the latest last-store stamp of the sender's CTAs (%globaltimer ns, one clock)."""
+def _latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 60,
+             threads: int = ScatterSend.THREADS, clock_offset_ns: float = 0.0) -> dict:
+    """``rows`` rows of one expert to one rank; the receiver (one CTA, one token, on
+    ``recv_dev``) spins, then the sender (on ``send_dev``) runs. Latency = the receiver's
+    observe stamp - the latest last-store stamp of the sender's CTAs, in %globaltimer ns;
+    ``clock_offset_ns`` (receiver clock - sender clock) aligns two GPUs' timers."""
+    same = send_dev.ordinal == recv_dev.ordinal
+    recv_dev.activate()
     recv = driver.DeviceBuffer(rows * msg, fill=0xAB)
     counts = driver.DeviceBuffer(8, fill=0xFF)
-    c = driver.DeviceBuffer.from_array(np.full((rows, msg), 7, np.uint8))
-    rtab = driver.DeviceBuffer.from_array(encode_range_table([0, rows], [[rows]]))
-    src = driver.DeviceBuffer.from_array(np.stack([np.arange(rows), np.zeros(rows)], 1).astype(np.int32))
     topk = driver.DeviceBuffer.from_array(np.zeros((1, 1), np.int32))
     w = driver.DeviceBuffer.from_array(np.ones((1, 1), np.float32))
     outb = driver.DeviceBuffer(msg, fill=0)
-    sender = ScatterSend(1, device=dev, num_sms=num_sms, threads=threads)
-    sst, rst = driver.DeviceBuffer(16 * sender.grid, fill=0), driver.DeviceBuffer(32, fill=0)
+    rst = driver.DeviceBuffer(32, fill=0)
+    recvk = RecvReduce(device=recv_dev, max_ctas=1)
+    sa = driver.Stream()
+    send_dev.activate()
+    c = driver.DeviceBuffer.from_array(np.full((rows, msg), 7, np.uint8))
+    rtab = driver.DeviceBuffer.from_array(encode_range_table([0, rows], [[rows]]))
+    src = driver.DeviceBuffer.from_array(np.stack([np.arange(rows), np.zeros(rows)], 1).astype(np.int32))
+    sender = ScatterSend(1, device=send_dev, num_sms=num_sms, threads=threads)
+    sst = driver.DeviceBuffer(16 * sender.grid, fill=0)
+    sb = driver.Stream()
     cfg = P3PeerSendConfig.disabled()
     cfg.atomic_counter, cfg.src_info_ptr, cfg.recv_buf_ptrs = rtab.ptr, src.ptr, [recv.ptr] + [0x1] * 7
     cfg.n_ranks = cfg.p2p_world_size = cfg.top_k = 1
     cfg.max_tokens_per_rank = rows
     cfg.msg_bytes, cfg.send_stamp_ptr, cfg.send_stamp_on = msg, sst.ptr, 1
-    recvk = RecvReduce(device=dev, max_ctas=1)
-    sender.prepare(cfg, c, np.array([0, rows], np.int32), count_ptrs=[counts], same_gpu=True)
+    sender.prepare(cfg, c, np.array([0, rows], np.int32), count_ptrs=[counts], same_gpu=same)
     recvk.prepare(cfg, recv, counts, topk, w, outb, n_tokens=1, n_experts=1, timeout_ns=int(1e9), stamps=rst)
-    sa, sb = driver.Stream(), driver.Stream()
     lat = []
     for i in range(reps):
         sst.fill(0)
@@ -253,10 +263,11 @@ def _latency(dev, msg: int, rows: int, num_sms: int, reps: int = 60, threads: in
         s_last = int(sst.download(np.uint64).reshape(-1, 2)[:, 1].max())
         r_seen = int(rst.download(np.uint64)[1])
         if i >= 10 and s_last and r_seen:
-            lat.append((r_seen - s_last) / 1000.0)
+            lat.append((r_seen - clock_offset_ns - s_last) / 1000.0)
     timeouts = recvk.record()["timeouts"]
     res = {"median_us": statistics.median(lat) if lat else None, "min_us": min(lat) if lat else None,
-           "n": len(lat), "timeouts": timeouts, "rows": rows, "sms": sender.grid, "threads": threads}
+           "n": len(lat), "timeouts": timeouts, "rows": rows, "sms": sender.grid, "threads": threads,
+           "scope": "gpu" if same else "sys"}
     for b in (recv, counts, c, rtab, src, topk, w, outb, sst, rst):
         b.free()
     sender.close()
@@ -266,8 +277,8 @@ def _latency(dev, msg: int, rows: int, num_sms: int, reps: int = 60, threads: in
 
 def bench_latency(a, dev, out: dict) -> None:
     msg = 2 * a.hidden
-    out["signal_latency"] = _latency(dev, msg, 1, 1, threads=32)           # one warp owns the pair
-    out["signal_latency_shared"] = _latency(dev, msg, 4096, dev.sm_count)  # last-arriver path
+    out["signal_latency"] = _latency(dev, dev, msg, 1, 1, threads=32)          # one warp owns the pair
+    out["signal_latency_shared"] = _latency(dev, dev, msg, 4096, dev.sm_count)  # last-arriver path
     # host overhead: launches from Python with a prebuilt parameter block (a gated send)
     sender = ScatterSend(1, device=dev)
     c = driver.DeviceBuffer(16)
@@ -348,13 +359,145 @@ def bench_epilogue(a, dev, rng, torch, out: dict) -> None:
 
 #: Geometries of p3_epilogue_send measured side by side (the first is EpilogueSend's default).
 EPILOGUE_GEOMETRIES = (
-    dict(bm=128, bn=256, num_stages=4, send_warps=4, epilogue_warps=8),
-    dict(bm=64, bn=512, num_stages=4, send_warps=4, epilogue_warps=4),
-    dict(bm=64, bn=512, num_stages=4, send_warps=8, epilogue_warps=4),
-    dict(bm=64, bn=1024, num_stages=4, send_warps=4, epilogue_warps=4),
     dict(bm=32, bn=1024, num_stages=2, send_warps=2, epilogue_warps=2),
-    dict(bm=32, bn=512, num_stages=2, send_warps=2, epilogue_warps=2),
+    dict(bm=32, bn=1024, num_stages=4, send_warps=2, epilogue_warps=2),
+    dict(bm=16, bn=1024, num_stages=2, send_warps=1, epilogue_warps=1),
+    dict(bm=16, bn=2048, num_stages=2, send_warps=2, epilogue_warps=2),
+    dict(bm=32, bn=512, num_stages=2, send_warps=1, epilogue_warps=3),
+    dict(bm=64, bn=512, num_stages=4, send_warps=4, epilogue_warps=4),
 )
+
+
+def _clock_offset(d0, d1, reps: int = 30) -> dict:
+    """p3_pingpong between two GPUs: the one-way flag latency (half the best round trip)
+    and GPU1's %globaltimer minus GPU0's at that round trip."""
+    from .kernels import kernel
+    d1.activate()
+    k1 = kernel("p3_pingpong", d1)
+    ping, out1, s1 = driver.DeviceBuffer(4, fill=0), driver.DeviceBuffer(24, fill=0), driver.Stream()
+    d0.activate()
+    k0 = kernel("p3_pingpong", d0)
+    pong, out0, s0 = driver.DeviceBuffer(4, fill=0), driver.DeviceBuffer(24, fill=0), driver.Stream()
+    best = None
+    for _ in range(reps):
+        ping.fill(0)
+        pong.fill(0)
+        k1.params_block(ping_ptr=ping, pong_ptr=pong, out=out1, timeout_ns=int(1e9), role=1).launch((1,), (32,), s1)
+        time.sleep(0.0002)
+        k0.params_block(ping_ptr=ping, pong_ptr=pong, out=out0, timeout_ns=int(1e9), role=0).launch((1,), (32,), s0)
+        s0.synchronize()
+        s1.synchronize()
+        t0, t3, to0 = (int(x) for x in out0.download(np.uint64))
+        t1, _, to1 = (int(x) for x in out1.download(np.uint64))
+        if not (to0 or to1) and (best is None or t3 - t0 < best[0]):
+            best = (t3 - t0, t1 - (t0 + t3) / 2)
+    for b in (ping, pong, out0, out1):
+        b.free()
+    return {"flag_one_way_us": best[0] / 2000.0, "offset_ns": best[1]} if best else {"error": "ping-pong timed out"}
+
+
+def bench_two_gpus(a, rng, torch, out: dict) -> None:
+    """Sends from GPU0 into GPU1's receive buffer (and both ways at once) next to
+    cuMemcpyPeerAsync of the same bytes, at the prefill and decode shapes, plus the
+    cross-GPU signal latency on clocks aligned by p3_pingpong."""
+    if driver.device_count() < 2:
+        out["two_gpu"] = {"skipped": "needs two GPUs"}
+        return
+    d0, d1 = driver.device(0), driver.device(1)
+    if not (d0.can_access_peer(d1) and d1.can_access_peer(d0)):
+        out["two_gpu"] = {"skipped": "the two GPUs cannot access each other"}
+        return
+    d0.enable_peer_access(d1)
+    d1.enable_peer_access(d0)
+    msg, res = 2 * a.hidden, {}
+    for label, tokens in (("prefill", a.tokens), ("decode", a.decode_tokens)):
+        rows = tokens * a.top_k
+        nbytes = rows * msg
+        off = np.concatenate([[0], np.cumsum(_split_even(rows, a.experts))]).astype(np.int32)
+        side = []
+        for me, dev in ((0, d0), (1, d1)):
+            c = _random_bytes(nbytes, rng, torch, me)
+            dev.activate()
+            side.append({"dev": dev, "c": c, "recv": driver.DeviceBuffer(nbytes, fill=0xAB),
+                         "counts": driver.DeviceBuffer(8 * a.experts * 2, fill=0xFF), "stream": driver.Stream()})
+        for me, peer in ((0, 1), (1, 0)):
+            sd = side[me]
+            sd["dev"].activate()
+            owned = np.zeros((a.experts, 2), np.int64)
+            owned[:, peer] = np.diff(off)                  # every row goes to the other GPU
+            sd["keep"] = [driver.DeviceBuffer.from_array(encode_range_table(off, owned)),
+                          driver.DeviceBuffer.from_array(np.stack([np.arange(rows) // a.top_k,
+                                                                   np.arange(rows) % a.top_k], 1).astype(np.int32))]
+            cfg = P3PeerSendConfig.disabled()
+            cfg.atomic_counter, cfg.src_info_ptr = sd["keep"][0].ptr, sd["keep"][1].ptr
+            cfg.recv_buf_ptrs = [side[0]["recv"].ptr, side[1]["recv"].ptr] + [0x1] * 6
+            cfg.n_ranks = cfg.p2p_world_size = 2
+            cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = a.top_k, msg, tokens, me
+            sd["sender"] = ScatterSend(a.experts, device=sd["dev"])
+            sd["sender"].prepare(cfg, sd["c"], off, count_ptrs=[side[0]["counts"], side[1]["counts"]])
+        s0, s1 = side[0]["stream"], side[1]["stream"]
+        d0.activate()
+        timer = Timer(s0)
+        one = {"p3_scatter_send 0->1": timer.run(lambda i: side[0]["sender"].launch(s0), a.iters, a.warmup),
+               "cuMemcpyPeerAsync 0->1": timer.run(
+                   lambda i: driver.memcpy_peer(side[1]["recv"].ptr, d1, side[0]["c"].ptr, d0, nbytes, s0),
+                   a.iters, a.warmup)}
+
+        def both(send: bool):
+            def run(i):
+                d1.activate()
+                s1.wait(fork)
+                if send:
+                    side[1]["sender"].launch(s1)
+                else:
+                    driver.memcpy_peer(side[0]["recv"].ptr, d0, side[1]["c"].ptr, d1, nbytes, s1)
+                join.record(s1)
+                d0.activate()
+                if send:
+                    side[0]["sender"].launch(s0)
+                else:
+                    driver.memcpy_peer(side[1]["recv"].ptr, d1, side[0]["c"].ptr, d0, nbytes, s0)
+                s0.wait(join)
+            return run
+        d0.activate()
+        fork = driver.Event(timing=False)
+        d1.activate()
+        join = driver.Event(timing=False)
+        d0.activate()
+        fork_timer = Timer(s0)
+        orig_run = fork_timer.run
+
+        def run_both(fn, n, w):
+            def step(i):
+                fork.record(s0)
+                fn(i)
+            return orig_run(step, n, w)
+        one["p3_scatter_send both ways"] = run_both(both(True), a.iters, a.warmup)
+        one["cuMemcpyPeerAsync both ways"] = run_both(both(False), a.iters, a.warmup)
+        for k, v in one.items():
+            moved = nbytes * (2 if "both" in k else 1)
+            v["GBps"] = moved / (v["median_us"] * 1e-6) / 1e9
+        one["send_over_peer_copy_bw"] = one["p3_scatter_send 0->1"]["GBps"] / one["cuMemcpyPeerAsync 0->1"]["GBps"]
+        one["both_send_over_peer_copy_bw"] = (one["p3_scatter_send both ways"]["GBps"]
+                                              / one["cuMemcpyPeerAsync both ways"]["GBps"])
+        res[label] = {"rows": rows, "bytes": nbytes, **one}
+        for sd in side:
+            sd["dev"].activate()
+            sd["sender"].close()
+            for b in [sd["c"], sd["recv"], sd["counts"], *sd["keep"]]:
+                b.free()
+    clock = _clock_offset(d0, d1)
+    res["clock"] = clock
+    if "offset_ns" in clock:
+        res["signal_latency"] = _latency(d0, d1, msg, 1, 1, threads=32, clock_offset_ns=clock["offset_ns"])
+    out["two_gpu"] = res
+    d0.activate()
+
+
+def _split_even(total: int, parts: int) -> np.ndarray:
+    base = np.full(parts, total // parts, np.int64)
+    base[: total % parts] += 1
+    return base
 
 
 def table(out: dict) -> str:
@@ -397,6 +540,28 @@ def table(out: dict) -> str:
             L.append(f"   {k:<36} {v['median_us']:9.1f} us  {v['TBps_rw']:6.2f} TB/s")
         if "fused_over_unfused" in e:
             L.append(f"   best fused / unfused     {e['fused_over_unfused']:.3f}x   (target <= 0.70): {e['best']}")
+    if "two_gpu" in out:
+        t = out["two_gpu"]
+        if "skipped" in t:
+            L.append(f"\n7. two GPUs: skipped ({t['skipped']})")
+        else:
+            L.append("\n7. two GPUs over the peer link (GB/s of payload)")
+            for label in ("prefill", "decode"):
+                r = t[label]
+                L.append(f"   {label}: {r['rows']} rows, {r['bytes'] / 1e6:.1f} MB each way")
+                for k in ("p3_scatter_send 0->1", "cuMemcpyPeerAsync 0->1", "p3_scatter_send both ways",
+                          "cuMemcpyPeerAsync both ways"):
+                    L.append(f"     {k:<30} {r[k]['median_us']:9.1f} us  {r[k]['GBps']:7.1f} GB/s")
+                L.append(f"     send / peer copy bandwidth   {r['send_over_peer_copy_bw']:.3f} one way, "
+                         f"{r['both_send_over_peer_copy_bw']:.3f} both ways (target >= 0.85)")
+            c = t["clock"]
+            if "flag_one_way_us" in c:
+                L.append(f"   flag one way (p3_pingpong) {c['flag_one_way_us']:.2f} us; GPU1-GPU0 clock offset "
+                         f"{c['offset_ns'] / 1000:.2f} us")
+            if "signal_latency" in t:
+                sl = t["signal_latency"]
+                L.append(f"   signal latency GPU0 -> GPU1 (1-row pair, .sys scope): median {sl['median_us']:.2f} us, "
+                         f"min {sl['min_us']:.2f} us (target <= 3)")
     for k, v in out.get("extra", {}).items():
         L.append(f"\n{k}: {v}")
     return "\n".join(L)
@@ -407,7 +572,7 @@ def main(args) -> int:
     if not ok:
         print(f"p3send bench: no usable GPU here ({why}); nothing to measure.")
         return 0
-    args.only = args.only or ["prefill", "budget", "decode", "latency", "host", "epilogue"]
+    args.only = args.only or ["prefill", "budget", "decode", "latency", "host", "epilogue", "two_gpu"]
     dev = driver.device()
     seed = args.seed if args.seed is not None else int(time.time())
     rng = np.random.default_rng(seed)
@@ -424,6 +589,8 @@ def main(args) -> int:
         bench_latency(args, dev, out)
     if "epilogue" in args.only:
         bench_epilogue(args, dev, rng, torch, out)
+    if "two_gpu" in args.only:
+        bench_two_gpus(args, rng, torch, out)
     text = table(out)
     print(text)
     with open(args.json, "w") as f:

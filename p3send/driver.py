@@ -128,7 +128,9 @@ class Device:
         self.name = call("cuDeviceGetName", 256, self.handle).split(b"\0")[0].decode()
 
     def activate(self) -> None:
+        global _current
         call("cuCtxSetCurrent", self.context)
+        _current = self.ordinal
 
     def synchronize(self) -> None:
         self.activate()
@@ -157,6 +159,13 @@ class Device:
 
 
 _devices: dict[int, Device] = {}
+_current: int | None = None   # ordinal whose context this process last made current
+
+
+def ensure_current(dev: Device) -> None:
+    """Make ``dev``'s context current if another device's is (one process, several GPUs)."""
+    if _current != dev.ordinal:
+        dev.activate()
 
 
 def device(ordinal: int | None = None) -> Device:
@@ -224,6 +233,7 @@ class DeviceBuffer:
         if nbytes < 0:
             raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
         self.nbytes = int(nbytes)
+        self.ordinal = _current                      # the device whose context allocated it
         self._ptr = call("cuMemAlloc", max(self.nbytes, 1))
         self.ptr = int(self._ptr)
         if fill is not None:
@@ -237,6 +247,8 @@ class DeviceBuffer:
         return buf
 
     def _check(self, nbytes: int, offset: int) -> None:
+        if self.ordinal is not None and self.ordinal in _devices:
+            ensure_current(_devices[self.ordinal])     # copies and memsets run in the owner's context
         if offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"copy of {nbytes} bytes at offset {offset} exceeds the {self.nbytes}-byte buffer")
 

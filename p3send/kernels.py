@@ -109,6 +109,7 @@ class ParamBlock:
         return self._objs[name]
 
     def launch(self, grid, block, stream: driver.Stream, smem: int = 0) -> None:
+        driver.ensure_current(self.kernel.module.device)
         driver.launch(self.kernel.func, grid, block, smem, stream, self.addrs, self.kernel.name)
 
 
@@ -387,8 +388,8 @@ class EpilogueSend:
     stages -> peers, by ``send_warps`` dedicated send warps fed through the mailbox (0:
     the epilogue warps send inline). Owns the sender state, diagnostics and P3SendCtx."""
 
-    def __init__(self, n_experts: int, *, device: driver.Device | None = None, bm: int = 128, bn: int = 256,
-                 num_stages: int = 4, send_warps: int = 4, epilogue_warps: int = 8, grid: int | None = None):
+    def __init__(self, n_experts: int, *, device: driver.Device | None = None, bm: int = 32, bn: int = 1024,
+                 num_stages: int = 2, send_warps: int = 2, epilogue_warps: int = 2, grid: int | None = None):
         problems = []
         if n_experts < 1:
             problems.append(f"n_experts: expected >= 1, got {n_experts}")
