@@ -399,8 +399,8 @@ class EpilogueSend:
             problems.append(f"num_stages: expected 2..8, got {num_stages}")
         elif bm <= 0 or bm % num_stages:
             problems.append(f"bm: expected a positive multiple of num_stages ({num_stages}), got {bm}")
-        if epilogue_warps < 1 or send_warps < 0 or epilogue_warps + send_warps > 16:
-            problems.append(f"warps: expected >= 1 epilogue warp, >= 0 send warps, 16 in all at most; "
+        if epilogue_warps < 1 or send_warps < 0 or epilogue_warps + send_warps > 8:
+            problems.append(f"warps: expected >= 1 epilogue warp, >= 0 send warps, 8 in all at most; "
                             f"got {epilogue_warps} + {send_warps}")
         if problems:
             raise ConfigError(problems, "epilogue-send geometry")

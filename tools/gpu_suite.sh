@@ -3,12 +3,12 @@
 # racecheck), the main job, the benchmarks and the SASS of every kernel. Writes its logs
 # to LOGDIR (suite.log, bench.json, sass.txt) and prints a summary at the end.
 #
-#   tools/gpu_suite.sh LOGDIR [stage ...]     stages: ptx tests sanitize demo bench sass multi
-#                                             (default: all but multi)
+#   tools/gpu_suite.sh LOGDIR [stage ...]     stages: ptx tests multi sanitize demo bench sass
+#                                             (default: all; multi skips without 2 GPUs)
 set -u
 LOG=${1:?usage: tools/gpu_suite.sh LOGDIR [stage ...]}
 shift
-STAGES=${*:-ptx tests sanitize demo bench sass}
+STAGES=${*:-ptx tests multi sanitize demo bench sass}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 mkdir -p "$LOG"
@@ -39,6 +39,7 @@ if want sanitize; then
 fi
 want multi && stage multi $PY -m pytest tests/multi_gpu -q -rs -p no:cacheprovider --timeout=900
 want demo && stage demo $PY -m p3send demo
+want demo && stage demo_procs $PY -m p3send demo --procs --ranks 4 --tokens 128
 want bench && stage bench $PY -m p3send bench --json "$LOG/bench.json"
 if want sass; then
   : > "$LOG/sass.txt"
