@@ -121,6 +121,82 @@ static inline P3PeerSendConfig p3_config_disabled(void)
 }
 
 /* ======================================================================== */
+/* In-epilogue send: the linkable device functions of ptx/p3_send_rows.ptx   */
+/* ======================================================================== */
+/* p3send's own launch state and per-warp accounting beside the ABI struct (not part of
+ * MAX's ABI). Layouts as in the header of ptx/p3_send_rows.ptx and p3send/abi.py
+ * (P3SendCtx, P3_SEND_ACCT_SIZE); docs/EMBEDDING.md shows them in use. */
+
+/* P3SendCtx.flags (the same bits as p3_scatter_send's flags parameter). */
+#define P3_FLAG_ROW_CACHE 1   /* resolve rows through cfg.row_base_ptr (zeroed per launch) */
+#define P3_FLAG_SIGNAL 2      /* publish the arrival counts into count_ptrs[p] */
+#define P3_FLAG_SCOPE_GPU 4   /* every receiver on this GPU: .gpu-scope release, not .sys */
+#define P3_SEND_CTX_SIZE 104
+#define P3_SEND_ACCT_SIZE 48
+
+/* In device memory, read through a generic pointer; one per concurrent launch. */
+typedef struct P3SendCtx {
+    uint64_t count_ptrs[P3_MAX_RANKS];     /*   0  u64[n_experts*n_ranks] receive counts of
+                                                   p2p rank p, as mapped here; 0 if unused */
+    uint64_t expert_offsets;               /*  64  int32[n_experts+1] absolute row offsets,
+                                                   non-decreasing */
+    uint64_t state_ptr;                    /*  72  sender state, 40*n_experts bytes, zeroed
+                                                   once at allocation, self-resetting */
+    uint64_t diag_ptr;                     /*  80  u32[4] diagnostics, or 0 */
+    uint32_t n_experts;                    /*  88  local experts (>= 1) */
+    uint32_t flags;                        /*  92  P3_FLAG_* */
+    int32_t  p3_control;                   /*  96  < 0: nothing is sent or counted */
+    uint32_t reserved;                     /* 100  0 */
+} P3SendCtx;
+
+/* One per warp (shared or global memory), used by that warp only. Initialise to
+ * expert = -1 and zeros before the warp's first call; p3_send_flush resets it. */
+typedef struct P3SendAcct {
+    int32_t  expert;                       /*   0  local expert held, -1: none */
+    uint32_t pad;                          /*   4  0 */
+    uint64_t units;                        /*   8  16-byte vectors handled for expert */
+    uint32_t pair[P3_MAX_RANKS];           /*  16  rows stored to p2p rank p */
+} P3SendAcct;
+
+#define P3_ASSERT_MEMBER(type, field, off, size) \
+    P3_STATIC_ASSERT(offsetof(type, field) == (off), \
+                     #type "." #field " must be at offset " #off); \
+    P3_STATIC_ASSERT(sizeof(((type *)0)->field) == (size), \
+                     #type "." #field " must be " #size " bytes")
+
+P3_ASSERT_MEMBER(P3SendCtx, count_ptrs, 0, 64);
+P3_ASSERT_MEMBER(P3SendCtx, expert_offsets, 64, 8);
+P3_ASSERT_MEMBER(P3SendCtx, state_ptr, 72, 8);
+P3_ASSERT_MEMBER(P3SendCtx, diag_ptr, 80, 8);
+P3_ASSERT_MEMBER(P3SendCtx, n_experts, 88, 4);
+P3_ASSERT_MEMBER(P3SendCtx, flags, 92, 4);
+P3_ASSERT_MEMBER(P3SendCtx, p3_control, 96, 4);
+P3_ASSERT_MEMBER(P3SendCtx, reserved, 100, 4);
+P3_STATIC_ASSERT(sizeof(P3SendCtx) == P3_SEND_CTX_SIZE, "P3SendCtx must be 104 bytes");
+P3_STATIC_ASSERT(P3_ALIGNOF(P3SendCtx) == 8, "P3SendCtx must align to 8");
+
+P3_ASSERT_MEMBER(P3SendAcct, expert, 0, 4);
+P3_ASSERT_MEMBER(P3SendAcct, pad, 4, 4);
+P3_ASSERT_MEMBER(P3SendAcct, units, 8, 8);
+P3_ASSERT_MEMBER(P3SendAcct, pair, 16, 32);
+P3_STATIC_ASSERT(sizeof(P3SendAcct) == P3_SEND_ACCT_SIZE, "P3SendAcct must be 48 bytes");
+P3_STATIC_ASSERT(P3_ALIGNOF(P3SendAcct) == 8, "P3SendAcct must align to 8");
+
+#ifdef __CUDACC__
+/* The .visible .func of ptx/p3_send_rows.ptx, parameter for parameter (.b64 = a generic
+ * pointer, .b32 = int/unsigned). Compile your kernel with -rdc=true and link that file
+ * (nvJitLink or cuLink*). Call with all 32 lanes of a warp active and warp-uniform
+ * arguments; contract and example: docs/ABI.md and docs/EMBEDDING.md. */
+extern "C" __device__ void p3_send_rows(const P3PeerSendConfig *cfg, const P3SendCtx *ctx,
+                                        P3SendAcct *acct, unsigned smem_tile,
+                                        unsigned row_pitch, int m_abs, int rows,
+                                        unsigned byte_off, unsigned seg_bytes, int expert,
+                                        unsigned warp_rank, unsigned n_warps);
+extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3SendCtx *ctx,
+                                         P3SendAcct *acct);
+#endif
+
+/* ======================================================================== */
 /* Kernel entry points                                                      */
 /* ======================================================================== */
 /* The kernel parameter tables are in docs/ABI.md ("Kernel entry points"). */
