@@ -380,8 +380,8 @@ def _clock_offset(d0, d1, reps: int = 30) -> dict:
     pong, out0, s0 = driver.DeviceBuffer(4, fill=0), driver.DeviceBuffer(24, fill=0), driver.Stream()
     best = None
     for _ in range(reps):
-        ping.fill(0)
-        pong.fill(0)
+        for b in (ping, pong, out0, out1):
+            b.fill(0)
         k1.params_block(ping_ptr=ping, pong_ptr=pong, out=out1, timeout_ns=int(1e9), role=1).launch((1,), (32,), s1)
         time.sleep(0.0002)
         k0.params_block(ping_ptr=ping, pong_ptr=pong, out=out0, timeout_ns=int(1e9), role=0).launch((1,), (32,), s0)

@@ -10,18 +10,23 @@ import time
 import numpy as np
 
 
-def add_arguments(p) -> None:
+def add_world_arguments(p, tokens: int) -> None:
+    """The EP-world shape options shared by ``demo`` and ``trace``."""
     p.add_argument("--ranks", type=int, default=8, help="EP ranks (all on this GPU), default 8")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per rank, default 512")
+    p.add_argument("--tokens", type=int, default=tokens, help=f"tokens per rank, default {tokens}")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size in bf16 elements, default 7168")
     p.add_argument("--top-k", type=int, default=8, help="experts per token, default 8")
     p.add_argument("--experts", type=int, default=32, help="local experts per rank, default 32 (256 in all)")
-    p.add_argument("--rounds", type=int, default=20, help="timed graph replays, default 20")
     p.add_argument("--seed", type=int, default=None)
+
+
+def add_arguments(p) -> None:
+    add_world_arguments(p, tokens=512)
+    p.add_argument("--rounds", type=int, default=20, help="timed graph replays, default 20")
     p.add_argument("--procs", action="store_true", help="one process per rank (CUDA IPC)")
 
 
-def _shape(a) -> str:
+def shape_line(a) -> str:
     return (f"{a.ranks} ranks x {a.tokens} tokens, top-{a.top_k}, {a.ranks * a.experts} experts "
             f"({a.experts}/rank), hidden {a.hidden} bf16 ({2 * a.hidden} B rows)")
 
@@ -38,7 +43,7 @@ def main(args) -> int:
         return demo_procs(args, seed)
     from .cases import check_world
     from .combine import Combine
-    print(f"p3send demo: {_shape(args)}, seed {seed}")
+    print(f"p3send demo: {shape_line(args)}, seed {seed}")
     t0 = time.perf_counter()
     world = world_case(n_ranks=args.ranks, tokens=args.tokens, top_k=args.top_k, n_local=args.experts,
                        hidden=args.hidden, seed=seed)

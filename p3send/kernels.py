@@ -291,7 +291,33 @@ def _diagnostics(buf: driver.DeviceBuffer, reset: bool) -> dict:
     return {"dropped": int(d[0]), "unrouted": int(d[1]), "rejected": bool(d[2])}
 
 
-class ScatterSend:
+class _Sender:
+    """What the send launchers share: launch, a one-shot call, diagnostics, close."""
+
+    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
+        (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
+
+    def __call__(self, *args, stream=None, **kw) -> None:
+        """prepare(*args, **kw) and launch; synchronous when no stream is given."""
+        blk = self.prepare(*args, **kw)
+        s = stream or driver.Stream()
+        self.launch(s, blk)
+        if stream is None:
+            s.synchronize()
+            s.close()
+
+    def diagnostics(self, reset: bool = True) -> dict:
+        """{'dropped': rows failing the bounds check, 'unrouted': rows owned by no rank,
+        'rejected': cfg refused on the device} accumulated since the last reset."""
+        return _diagnostics(self.diag, reset)
+
+    def close(self) -> None:
+        for b in (self.state, self.diag, getattr(self, "ctx", None), getattr(self, "_offs_buf", None)):
+            if b is not None:
+                b.free()
+
+
+class ScatterSend(_Sender):
     """Launcher for ``p3_scatter_send`` on one device.
 
     Owns the sender state (per-expert completion and pair counters, zeroed once and
@@ -361,29 +387,9 @@ class ScatterSend:
                                         expert_offsets=offs_addr, state_ptr=self.state, diag_ptr=self.diag,
                                         n_experts=self.n_experts, flags=flags, p3_control=int(p3_control))
 
-    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
-        (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
-
-    def __call__(self, cfg, c, expert_offsets, c_row_stride=None, *, stream=None, **kw) -> None:
-        blk = self.prepare(cfg, c, expert_offsets, c_row_stride, **kw)
-        s = stream or driver.Stream()
-        self.launch(s, blk)
-        if stream is None:
-            s.synchronize()
-            s.close()
-
-    def diagnostics(self, reset: bool = True) -> dict:
-        """{'dropped': rows failing the bounds check, 'unrouted': rows owned by no rank,
-        'rejected': cfg refused on the device} accumulated since the last reset."""
-        return _diagnostics(self.diag, reset)
-
-    def close(self) -> None:
-        for b in (self.state, self.diag, getattr(self, "_offs_buf", None)):
-            if b is not None:
-                b.free()
 
 
-class EpilogueSend:
+class EpilogueSend(_Sender):
     """Launcher for ``p3_epilogue_send``: fp32 accumulator tiles -> bf16 in shared-memory
     stages -> peers, by ``send_warps`` dedicated send warps fed through the mailbox (0:
     the epilogue warps send inline). Owns the sender state, diagnostics and P3SendCtx."""
@@ -450,24 +456,6 @@ class EpilogueSend:
         return self.block.set(cfg=cfg, ctx=self.ctx, acc_ptr=acc_addr, acc_stride=stride, n_cols=n_cols,
                               bm=self.bm, bn=self.bn, num_stages=self.num_stages, n_send_warps=self.send_warps)
 
-    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
-        (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
-
-    def __call__(self, cfg, acc, n_cols, expert_offsets, *, stream=None, **kw) -> None:
-        blk = self.prepare(cfg, acc, n_cols, expert_offsets, **kw)
-        s = stream or driver.Stream()
-        self.launch(s, blk)
-        if stream is None:
-            s.synchronize()
-            s.close()
-
-    def diagnostics(self, reset: bool = True) -> dict:
-        return _diagnostics(self.diag, reset)
-
-    def close(self) -> None:
-        for b in (self.state, self.diag, self.ctx, getattr(self, "_offs_buf", None)):
-            if b is not None:
-                b.free()
 
 
 class RecvReduce:

@@ -36,12 +36,8 @@ RECV_FIELDS = ("start_ns", "last_wait_done_ns", "end_ns", "tokens")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--ranks", type=int, default=8, help="EP ranks (all on this GPU), default 8")
-    p.add_argument("--tokens", type=int, default=128, help="tokens per rank, default 128")
-    p.add_argument("--hidden", type=int, default=7168, help="hidden size in bf16 elements, default 7168")
-    p.add_argument("--top-k", type=int, default=8, help="experts per token, default 8")
-    p.add_argument("--experts", type=int, default=32, help="local experts per rank, default 32")
-    p.add_argument("--seed", type=int, default=None)
+    from .demo import add_world_arguments
+    add_world_arguments(p, tokens=128)
     p.add_argument("--warmup", type=int, default=1,
                    help="untraced rounds first (lazy module loading, cold caches), default 1")
     p.add_argument("--from", dest="from_file", metavar="FILE", default=None,
@@ -287,9 +283,9 @@ def _gpu_round(args) -> tuple[dict | None, int]:
         return None, 0
     from .cases import check_world, world_case
     from .combine import Combine
-    from .demo import _shape
+    from .demo import shape_line
     seed = args.seed if args.seed is not None else int(time.time()) % (1 << 31)
-    print(f"p3send trace: {_shape(args)}, seed {seed}")
+    print(f"p3send trace: {shape_line(args)}, seed {seed}")
     world = world_case(n_ranks=args.ranks, tokens=args.tokens, top_k=args.top_k, n_local=args.experts,
                        hidden=args.hidden, seed=seed)
     dev = driver.device()

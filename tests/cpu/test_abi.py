@@ -1,4 +1,5 @@
-"""The 184-byte P3PeerSendConfig image: table, ctypes, numpy, the C compiler and cffi agree."""
+"""The 184-byte P3PeerSendConfig image: table, ctypes, numpy, the C compiler and cffi agree;
+so do the send functions' P3SendCtx/P3SendAcct and prototypes in ptx/p3send.h."""
 from __future__ import annotations
 
 import ctypes
@@ -228,3 +229,132 @@ def test_validate_flags_gate_their_pointers():
 def test_validate_rejects_non_config():
     with pytest.raises(TypeError, match="expected a P3PeerSendConfig, got bytes"):
         validate(bytes(184))
+
+
+# ---------------------------------------------------------------- the send functions' structs
+
+SEND_ROWS_PTX = HEADER.parent / "p3_send_rows.ptx"
+_PTX_SIZES = {"u64": 8, "u32": 4, "s32": 4}
+
+
+def _ptx_send_ctx() -> list[tuple[str, int, int]]:
+    """P3SendCtx as the header of ptx/p3_send_rows.ptx tabulates it: (field, offset, size)."""
+    text = SEND_ROWS_PTX.read_text()
+    block = text[text.index("// P3SendCtx (104 bytes, align 8)"):text.index("// P3SendAcct")]
+    rows = re.findall(r"^//\s+(\d+)\s+(u64|u32|s32)(?:\[(\d+)\])?\s+(\w+)", block, flags=re.M)
+    return [(name, int(off), _PTX_SIZES[t] * int(n or 1)) for off, t, n, name in rows]
+
+
+def _ptx_send_acct() -> list[tuple[str, int, int]]:
+    """P3SendAcct as the header of ptx/p3_send_rows.ptx describes it (padding unnamed)."""
+    text = SEND_ROWS_PTX.read_text()
+    start = text.index("// P3SendAcct (48 bytes, align 8):")
+    block = " ".join(ln.lstrip("/ ") for ln in text[start:].split("\n//\n", 1)[0].splitlines())
+    block = re.sub(r"\([^)]*\)", "", block.split(":", 1)[1])
+    return [(name, int(off), _PTX_SIZES[t] * int(n or 1))
+            for off, t, name, n in re.findall(r"(\d+) (u64|u32|s32) (\w+)(?:\[(\d+)\])?", block)]
+
+
+def test_send_ctx_ptx_ctypes_and_c_agree():
+    from p3send.abi import P3SendCtx
+    from p3send.conform import c_layout
+    ptx = _ptx_send_ctx()
+    assert [n for n, _, _ in ptx] == [n for n, _ in P3SendCtx._fields_]
+    assert [(n, getattr(P3SendCtx, n).offset, getattr(P3SendCtx, n).size) for n, _ in P3SendCtx._fields_] == ptx
+    assert (ctypes.sizeof(P3SendCtx), ctypes.alignment(P3SendCtx)) == (104, 8)
+    layout = c_layout(HEADER, "P3SendCtx")     # offsets from the C compiler
+    assert (layout.size, layout.align) == (104, 8)
+    assert [(m.name, m.offset, m.size) for m in layout.members] == ptx
+    assert {m.name: m.cls for m in layout.members}["p3_control"] == "int"   # s32: negative gates the send
+
+
+def test_send_acct_ptx_and_c_agree():
+    from p3send.conform import c_layout
+    layout = c_layout(HEADER, "P3SendAcct")
+    assert (layout.size, layout.align) == (abi.P3_SEND_ACCT_SIZE, 8) == (48, 8)
+    members = [(m.name, m.offset, m.size) for m in layout.members]
+    assert ("pad", 4, 4) in members             # the named padding
+    assert [m for m in members if m[0] != "pad"] == _ptx_send_acct() == [
+        ("expert", 0, 4), ("units", 8, 8), ("pair", 16, 32)]
+    assert {m.name: m.cls for m in layout.members}["expert"] == "int"       # -1: none
+
+
+def test_header_flags_and_sizes_match_the_code():
+    from p3send import kernels
+    defines = {k: int(v) for k, v in re.findall(r"^#define (P3_\w+) (\d+)\b", HEADER.read_text(), flags=re.M)}
+    flags = {k[3:]: v for k, v in defines.items() if k.startswith("P3_FLAG_")}
+    assert flags == {n: getattr(kernels, n) for n in dir(kernels) if n.startswith("FLAG_")}
+    assert flags == {"FLAG_ROW_CACHE": 1, "FLAG_SIGNAL": 2, "FLAG_SCOPE_GPU": 4}
+    assert (defines["P3_SEND_CTX_SIZE"], defines["P3_SEND_ACCT_SIZE"]) == (
+        ctypes.sizeof(abi.P3SendCtx), abi.P3_SEND_ACCT_SIZE)
+
+
+_C_TO_PTX = {"unsigned": ("b32", "u32"), "int": ("b32", "s32")}
+
+
+def _header_prototypes() -> dict[str, list[tuple[str, str]]]:
+    """``extern "C" __device__`` prototypes of the header: name -> [(C type, parameter)]."""
+    text = HEADER.read_text()
+    cuda = text[text.index("#ifdef __CUDACC__"):]
+    cuda = cuda[:cuda.index("#endif")]
+    out = {}
+    for name, args in re.findall(r'extern "C" __device__ void (\w+)\(([^)]*)\);', cuda):
+        params = []
+        for a in args.split(","):
+            m = re.fullmatch(r"\s*(.*?)\s*(\w+)\s*", a.replace("*", " * "))
+            params.append((" ".join(m.group(1).split()), m.group(2)))
+        out[name] = params
+    return out
+
+
+def test_header_prototypes_match_the_ptx_functions():
+    from p3send import ptxdoc
+    text = SEND_ROWS_PTX.read_text()
+    decls, documented = ptxdoc.parse_decls(text), ptxdoc.parse_header(text)
+    protos = _header_prototypes()
+    assert set(protos) == {"p3_send_rows", "p3_send_flush"} == {n for n, e in documented.items() if e.kind == "func"}
+    pointee = {"cfg": "const P3PeerSendConfig *", "ctx": "const P3SendCtx *", "acct": "P3SendAcct *"}
+    for name, params in protos.items():
+        assert [p for _, p in params] == [p.name for p in decls[name]] == [p.name for p in documented[name].params]
+        for (ctype, pname), decl, doc in zip(params, decls[name], documented[name].params):
+            if pname in pointee:
+                assert (ctype, decl.type, doc.type) == (pointee[pname], "b64", "u64"), (name, pname)
+            else:
+                assert (decl.type, doc.type) == _C_TO_PTX[ctype], (name, pname, ctype)
+
+
+def test_header_prototypes_link_with_the_ptx(tmp_path):
+    # nvcc emits the extern declarations from the header; nvJitLink must resolve them
+    # against ptx/p3_send_rows.ptx (CPU only: nothing is loaded on a GPU).
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    src = tmp_path / "caller.cu"
+    src.write_text('#include "p3send.h"\n'
+                   'extern "C" __global__ void caller(const __grid_constant__ P3PeerSendConfig cfg,\n'
+                   '                                  const P3SendCtx *ctx) {\n'
+                   '    __shared__ __align__(16) unsigned char tile[1024];\n'
+                   '    __shared__ P3SendAcct acct[1];\n'
+                   '    p3_send_rows(&cfg, ctx, &acct[0], (unsigned)__cvta_generic_to_shared(tile), 512,\n'
+                   '                 0, 2, 0, 512, 0, 0u, 1u);\n'
+                   '    p3_send_flush(&cfg, ctx, &acct[0]);\n'
+                   '}\n')
+    out = tmp_path / "caller.ptx"
+    r = subprocess.run([nvcc, "-rdc=true", "-ptx", "-arch=sm_90", f"-I{HEADER.parent}", str(src), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    from p3send import ptxcheck, ptxdoc
+    ptx = out.read_text()
+    ours = ptxdoc.parse_decls(SEND_ROWS_PTX.read_text())
+    theirs = ptxdoc.parse_decls(ptx)
+    for name in ("p3_send_rows", "p3_send_flush"):
+        assert [(p.offset, p.size, p.type) for p in theirs[name]] == [(p.offset, p.size, p.type) for p in ours[name]]
+    from p3send.errors import P3SendError
+    try:
+        ptxcheck._nvjitlink()
+    except P3SendError as e:
+        pytest.skip(str(e))
+    report = ptxcheck.assemble(ptx, "caller.ptx", "sm_90", deps=[(SEND_ROWS_PTX.name, SEND_ROWS_PTX.read_text())])
+    assert report.ok, report.error

@@ -1,10 +1,12 @@
 """The documentation cannot drift from the PTX (CPU only, no CUDA).
 
-docs/ABI.md, section "Kernel entry points", has one subsection per shipped kernel,
-headed by its entry name, holding a markdown table with the columns
-``off | size | type | name | meaning``: its rows must be the PARAMS rows of that PTX
-file's header (``ptxdoc.parse_header``), in order, field for field. docs/PROTOCOL.md
-must name every shipped entry. The tables are parsed as markdown (cells split on
+docs/ABI.md, section "Kernel entry points", has one subsection per shipped kernel and
+per linkable device function (``// FUNC`` headers), headed by its name, holding a
+markdown table with the columns ``off | size | type | name | meaning``: its rows must be
+the PARAMS rows of that PTX file's header (``ptxdoc.parse_header``), in order, field for
+field. The layout tables of the send functions' structs (``off | size | type | field |
+meaning``) must be ``abi.P3SendCtx`` and ``P3_SEND_ACCT_SIZE``. docs/PROTOCOL.md must
+name every shipped entry and function. The tables are parsed as markdown (cells split on
 unescaped ``|``, backticks and backslash escapes removed, whitespace collapsed), so
 formatting may change freely while the content may not.
 """
@@ -23,21 +25,27 @@ ABI = ROOT / "docs" / "ABI.md"
 PROTOCOL = ROOT / "docs" / "PROTOCOL.md"
 KERNEL_HEADING = "## Kernel entry points"
 PARAM_COLUMNS = ["off", "size", "type", "name", "meaning"]
-KNOWN_ENTRIES = {"p3_abi_echo", "p3_scatter_send", "p3_recv_reduce"}
+KNOWN_ENTRIES = {"p3_abi_echo", "p3_scatter_send", "p3_recv_reduce", "p3_epilogue_send", "p3_pingpong"}
+KNOWN_FUNCS = {"p3_send_rows", "p3_send_flush"}
+#: Entries outside the protocol that take no P3PeerSendConfig (a cross-GPU clock probe).
+NO_CONFIG = {"p3_pingpong"}
+STRUCT_COLUMNS = ["off", "size", "type", "field", "meaning"]
 
 
-def _shipped():
-    """(file name, ptxdoc.Entry) for every documented .entry of every shipped PTX file."""
+def _shipped(kind: str = "entry"):
+    """(file name, ptxdoc.Entry) for every documented .entry (or .func) of every shipped PTX file."""
     out = []
     for path in sorted(PTX_DIR.glob("*.ptx")):
         for entry in ptxdoc.parse_header(path.read_text()).values():
-            if entry.kind == "entry":
+            if entry.kind == kind:
                 out.append((path.name, entry))
     return out
 
 
 SHIPPED = _shipped()
 IDS = [e.name for _, e in SHIPPED]
+FUNCS = _shipped("func")
+FUNC_IDS = [e.name for _, e in FUNCS]
 
 
 # ---------------------------------------------------------------- markdown helpers
@@ -125,7 +133,17 @@ def test_every_known_kernel_is_shipped_and_documented_in_its_ptx():
     # a header the parser no longer reads).
     assert KNOWN_ENTRIES <= set(IDS), f"shipped entries with a PTX header: {IDS}"
     for name, entry in SHIPPED:
+        if entry.name in NO_CONFIG:
+            assert entry.params and all(p.type != "P3PeerSendConfig" for p in entry.params), name
+            continue
         assert entry.params and entry.params[0].offset == 0 and entry.params[0].type == "P3PeerSendConfig", name
+
+
+def test_every_known_function_is_shipped_and_documented_in_its_ptx():
+    # A FUNC header the parser stops reading would silently drop the function tests below.
+    assert KNOWN_FUNCS <= set(FUNC_IDS), f"shipped functions with a PTX header: {FUNC_IDS}"
+    for name, func in FUNCS:
+        assert [p.name for p in func.params[:3]] == ["cfg", "ctx", "acct"], name
 
 
 def test_kernel_section_is_the_last_section(abi_doc):
@@ -150,10 +168,48 @@ def test_param_meanings_match_the_ptx_header(section, fname, entry):
     assert not drift, f"docs/ABI.md meanings of {entry.name} differ from {fname}:\n" + "\n".join(drift)
 
 
+@pytest.mark.parametrize("fname,func", FUNCS, ids=FUNC_IDS)
+def test_function_param_table_matches_the_ptx_header(section, fname, func):
+    rows = documented_params(section, func.name)
+    problems = param_drift(func, rows)
+    assert not problems, f"docs/ABI.md table of {func.name} differs from {fname}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("fname,func", FUNCS, ids=FUNC_IDS)
+def test_function_param_meanings_match_the_ptx_header(section, fname, func):
+    rows = documented_params(section, func.name)
+    got = {r[3]: r[4] for r in rows if len(r) == 5}
+    drift = [f"{p.name}:\n  PTX:  {_norm(p.meaning)}\n  docs: {got.get(p.name)}"
+             for p in func.params if got.get(p.name) != _norm(p.meaning)]
+    assert not drift, f"docs/ABI.md meanings of {func.name} differ from {fname}:\n" + "\n".join(drift)
+
+
 def test_documented_kernels_are_shipped(section):
     # A kernel removed from ptx/ must not leave a stale subsection behind.
     named = re.findall(r"^### `(p3_\w+)`", section, flags=re.M)
-    assert set(named) == set(IDS), f"subsections {named}, shipped entries {IDS}"
+    assert set(named) == set(IDS) | set(FUNC_IDS), f"subsections {named}, shipped {IDS + FUNC_IDS}"
+
+
+def _struct_table(section: str, first_field: str) -> list[list[str]]:
+    tables = [t for t in md_tables(section) if t and [c.lower() for c in t[0]] == STRUCT_COLUMNS
+              and len(t) > 1 and t[1][3] == first_field]
+    assert len(tables) == 1, f"docs/ABI.md: expected one struct table starting with {first_field}, found {len(tables)}"
+    return tables[0][1:]
+
+
+def test_send_ctx_table_matches_ctypes(section):
+    from p3send.abi import P3SendCtx
+    rows = _struct_table(section, "count_ptrs")
+    want = [[str(getattr(P3SendCtx, n).offset), str(getattr(P3SendCtx, n).size), n] for n, _ in P3SendCtx._fields_]
+    assert [[r[0], r[1], r[3]] for r in rows] == want
+
+
+def test_send_acct_table_covers_its_size(section):
+    from p3send.abi import P3_SEND_ACCT_SIZE
+    rows = _struct_table(section, "expert")
+    assert [r[3] for r in rows] == ["expert", "pad", "units", "pair"]
+    ends = [int(r[0]) + int(r[1]) for r in rows]
+    assert [int(r[0]) for r in rows[1:]] == ends[:-1] and ends[-1] == P3_SEND_ACCT_SIZE, rows
 
 
 @pytest.mark.parametrize("path", sorted(PTX_DIR.glob("*.ptx")), ids=lambda p: p.name)
@@ -208,6 +264,13 @@ def test_protocol_names_every_kernel(fname, entry):
     text = PROTOCOL.read_text()
     assert re.search(rf"(?<![\w]){re.escape(entry.name)}(?![\w])", text), (
         f"docs/PROTOCOL.md does not mention {entry.name} ({fname})")
+
+
+@pytest.mark.parametrize("fname,func", FUNCS, ids=FUNC_IDS)
+def test_protocol_names_every_function(fname, func):
+    text = PROTOCOL.read_text()
+    assert re.search(rf"(?<![\w]){re.escape(func.name)}(?![\w])", text), (
+        f"docs/PROTOCOL.md does not mention {func.name} ({fname})")
 
 
 def test_protocol_cites_only_existing_ptx_labels():
