@@ -31,19 +31,13 @@ def shape_line(a) -> str:
             f"({a.experts}/rank), hidden {a.hidden} bf16 ({2 * a.hidden} B rows)")
 
 
-def main(args) -> int:
+def world_and_combine(args, seed: int, label: str):
+    """The seeded EP world of ``args`` (see add_world_arguments) and a guarded one-GPU
+    Combine loaded with it; prints the shape and the device. Returns (world, device, combine)."""
     from . import driver
     from .cases import world_case
-    seed = args.seed if args.seed is not None else int(time.time()) % (1 << 31)
-    ok, why = driver.available()
-    if not ok:
-        return _cpu_only(args, seed, why)
-    if args.procs:
-        from .world import demo_procs
-        return demo_procs(args, seed)
-    from .cases import check_world
     from .combine import Combine
-    print(f"p3send demo: {shape_line(args)}, seed {seed}")
+    print(f"{label}: {shape_line(args)}, seed {seed}")
     t0 = time.perf_counter()
     world = world_case(n_ranks=args.ranks, tokens=args.tokens, top_k=args.top_k, n_local=args.experts,
                        hidden=args.hidden, seed=seed)
@@ -53,6 +47,24 @@ def main(args) -> int:
                    n_local_experts=args.experts, device=dev, guard=True)
     try:
         comb.load_world(world)
+    except Exception:
+        comb.close()
+        raise
+    return world, dev, comb
+
+
+def main(args) -> int:
+    from . import driver
+    seed = args.seed if args.seed is not None else int(time.time()) % (1 << 31)
+    ok, why = driver.available()
+    if not ok:
+        return _cpu_only(args, seed, why)
+    if args.procs:
+        from .world import demo_procs
+        return demo_procs(args, seed)
+    from .cases import check_world
+    world, dev, comb = world_and_combine(args, seed, "p3send demo")
+    try:
         comb.round()
         problems = check_world(world, lambda r: comb.recv_view(r, with_guard=True), comb.output, guard=comb.guard)
         if problems:

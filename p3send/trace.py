@@ -281,19 +281,11 @@ def _gpu_round(args) -> tuple[dict | None, int]:
         print(f"p3send trace: no usable GPU here ({why}); nothing to trace. "
               "Use --from FILE to convert stamps saved with --save on a GPU machine.")
         return None, 0
-    from .cases import check_world, world_case
-    from .combine import Combine
-    from .demo import shape_line
+    from .cases import check_world
+    from .demo import world_and_combine
     seed = args.seed if args.seed is not None else int(time.time()) % (1 << 31)
-    print(f"p3send trace: {shape_line(args)}, seed {seed}")
-    world = world_case(n_ranks=args.ranks, tokens=args.tokens, top_k=args.top_k, n_local=args.experts,
-                       hidden=args.hidden, seed=seed)
-    dev = driver.device()
-    print(f"  device: {dev}")
-    comb = Combine(args.ranks, max_tokens=args.tokens, top_k=args.top_k, hidden=args.hidden,
-                   n_local_experts=args.experts, device=dev, guard=True)
+    world, dev, comb = world_and_combine(args, seed, "p3send trace")
     try:
-        comb.load_world(world)
         for _ in range(max(0, args.warmup)):
             comb.round()
         comb.round()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
 from p3send import ArrivalTimeout, P3PeerSendConfig, kernels
 from p3send.cases import FAMILIES, check_world, epilogue_case, send_case, world_case
 from p3send.combine import Combine

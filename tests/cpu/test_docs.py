@@ -152,36 +152,20 @@ def test_kernel_section_is_the_last_section(abi_doc):
     assert heads[-1] == KERNEL_HEADING, f"sections after '{KERNEL_HEADING}': {heads[heads.index(KERNEL_HEADING) + 1:]}"
 
 
-@pytest.mark.parametrize("fname,entry", SHIPPED, ids=IDS)
+@pytest.mark.parametrize("fname,entry", SHIPPED + FUNCS, ids=IDS + FUNC_IDS)
 def test_param_table_matches_the_ptx_header(section, fname, entry):
     rows = documented_params(section, entry.name)
     problems = param_drift(entry, rows)
     assert not problems, f"docs/ABI.md table of {entry.name} differs from {fname}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("fname,entry", SHIPPED, ids=IDS)
+@pytest.mark.parametrize("fname,entry", SHIPPED + FUNCS, ids=IDS + FUNC_IDS)
 def test_param_meanings_match_the_ptx_header(section, fname, entry):
     rows = documented_params(section, entry.name)
     got = {r[3]: r[4] for r in rows if len(r) == 5}
     drift = [f"{p.name}:\n  PTX:  {_norm(p.meaning)}\n  docs: {got.get(p.name)}"
              for p in entry.params if got.get(p.name) != _norm(p.meaning)]
     assert not drift, f"docs/ABI.md meanings of {entry.name} differ from {fname}:\n" + "\n".join(drift)
-
-
-@pytest.mark.parametrize("fname,func", FUNCS, ids=FUNC_IDS)
-def test_function_param_table_matches_the_ptx_header(section, fname, func):
-    rows = documented_params(section, func.name)
-    problems = param_drift(func, rows)
-    assert not problems, f"docs/ABI.md table of {func.name} differs from {fname}:\n" + "\n".join(problems)
-
-
-@pytest.mark.parametrize("fname,func", FUNCS, ids=FUNC_IDS)
-def test_function_param_meanings_match_the_ptx_header(section, fname, func):
-    rows = documented_params(section, func.name)
-    got = {r[3]: r[4] for r in rows if len(r) == 5}
-    drift = [f"{p.name}:\n  PTX:  {_norm(p.meaning)}\n  docs: {got.get(p.name)}"
-             for p in func.params if got.get(p.name) != _norm(p.meaning)]
-    assert not drift, f"docs/ABI.md meanings of {func.name} differ from {fname}:\n" + "\n".join(drift)
 
 
 def test_documented_kernels_are_shipped(section):
