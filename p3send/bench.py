@@ -222,10 +222,12 @@ def bench_decode(a, dev, rng, out: dict) -> None:
 
 def _latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 60,
              threads: int = ScatterSend.THREADS, clock_offset_ns: float = 0.0) -> dict:
-    """``rows`` rows of one expert to one rank; the receiver (one CTA, one token, on
-    ``recv_dev``) spins, then the sender (on ``send_dev``) runs. Latency = the receiver's
-    observe stamp - the latest last-store stamp of the sender's CTAs, in %globaltimer ns;
-    ``clock_offset_ns`` (receiver clock - sender clock) aligns two GPUs' timers."""
+    """``rows`` rows of one expert to one rank; the receiver (one token, on ``recv_dev``,
+    one warp per 512-byte unit of the row, so every warp is spinning on the count when it
+    lands) starts first, then the sender (on ``send_dev``) runs. Latency = the latest
+    moment a receiver warp observed the count - the latest last-store stamp of the
+    sender's CTAs, in %globaltimer ns; ``clock_offset_ns`` (receiver clock - sender clock)
+    aligns two GPUs' timers."""
     same = send_dev.ordinal == recv_dev.ordinal
     recv_dev.activate()
     recv = driver.DeviceBuffer(rows * msg, fill=0xAB)
@@ -233,8 +235,10 @@ def _latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 
     topk = driver.DeviceBuffer.from_array(np.zeros((1, 1), np.int32))
     w = driver.DeviceBuffer.from_array(np.ones((1, 1), np.float32))
     outb = driver.DeviceBuffer(msg, fill=0)
-    rst = driver.DeviceBuffer(32, fill=0)
-    recvk = RecvReduce(device=recv_dev, max_ctas=1)
+    recvk = RecvReduce(device=recv_dev)
+    units = -(-msg // 512)
+    ctas = -(-units // (RecvReduce.THREADS // 32))       # one warp per unit: no warp reduces before its wait
+    rst = driver.DeviceBuffer(32 * ctas, fill=0)
     sa = driver.Stream()
     send_dev.activate()
     c = driver.DeviceBuffer.from_array(np.full((rows, msg), 7, np.uint8))
@@ -250,6 +254,7 @@ def _latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 
     cfg.msg_bytes, cfg.send_stamp_ptr, cfg.send_stamp_on = msg, sst.ptr, 1
     sender.prepare(cfg, c, np.array([0, rows], np.int32), count_ptrs=[counts], same_gpu=same)
     recvk.prepare(cfg, recv, counts, topk, w, outb, n_tokens=1, n_experts=1, timeout_ns=int(1e9), stamps=rst)
+    assert recvk.grid == ctas, (recvk.grid, ctas)
     lat = []
     for i in range(reps):
         sst.fill(0)
@@ -260,12 +265,13 @@ def _latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 
         sa.synchronize()
         sb.synchronize()
         s_last = int(sst.download(np.uint64).reshape(-1, 2)[:, 1].max())
-        r_seen = int(rst.download(np.uint64)[1])
+        r_seen = int(rst.download(np.uint64).reshape(-1, 4)[:, 1].max())
         if i >= 10 and s_last and r_seen:
             lat.append((r_seen - clock_offset_ns - s_last) / 1000.0)
     timeouts = recvk.record()["timeouts"]
     res = {"median_us": statistics.median(lat) if lat else None, "min_us": min(lat) if lat else None,
-           "n": len(lat), "timeouts": timeouts, "rows": rows, "sms": sender.grid, "threads": threads,
+           "n": len(lat), "timeouts": timeouts, "rows": rows, "msg_bytes": msg, "sms": sender.grid,
+           "threads": threads, "recv_warps": 8 * recvk.grid,
            "scope": "gpu" if same else "sys"}
     for b in (recv, counts, c, rtab, src, topk, w, outb, sst, rst):
         b.free()
@@ -278,6 +284,7 @@ def bench_latency(a, dev, out: dict) -> None:
     msg = 2 * a.hidden
     out["signal_latency"] = _latency(dev, dev, msg, 1, 1, threads=32)          # one warp owns the pair
     out["signal_latency_shared"] = _latency(dev, dev, msg, 4096, dev.sm_count)  # last-arriver path
+    out["signal_latency_16B"] = _latency(dev, dev, 16, 1, 1, threads=32)        # the ordering alone
     # host overhead: launches from Python with a prebuilt parameter block (a gated send)
     sender = ScatterSend(1, device=dev)
     c = driver.DeviceBuffer(16)
@@ -359,6 +366,12 @@ def bench_epilogue(a, dev, rng, torch, out: dict) -> None:
 #: Geometries of p3_epilogue_send measured side by side (the first is EpilogueSend's default).
 EPILOGUE_GEOMETRIES = (
     dict(bm=32, bn=1024, num_stages=2, send_warps=2, epilogue_warps=2),
+    dict(bm=16, bn=1024, num_stages=2, send_warps=1, epilogue_warps=2),
+    dict(bm=16, bn=1024, num_stages=2, send_warps=2, epilogue_warps=2),
+    dict(bm=8, bn=1024, num_stages=2, send_warps=1, epilogue_warps=1),
+    dict(bm=16, bn=512, num_stages=2, send_warps=1, epilogue_warps=1),
+    dict(bm=16, bn=1024, num_stages=4, send_warps=1, epilogue_warps=1),
+    dict(bm=32, bn=1024, num_stages=2, send_warps=1, epilogue_warps=1),
     dict(bm=32, bn=1024, num_stages=4, send_warps=2, epilogue_warps=2),
     dict(bm=16, bn=1024, num_stages=2, send_warps=1, epilogue_warps=1),
     dict(bm=16, bn=2048, num_stages=2, send_warps=2, epilogue_warps=2),
@@ -482,6 +495,7 @@ def bench_two_gpus(a, rng, torch, out: dict) -> None:
     res["clock"] = clock
     if "offset_ns" in clock:
         res["signal_latency"] = _latency(d0, d1, msg, 1, 1, threads=32, clock_offset_ns=clock["offset_ns"])
+        res["signal_latency_16B"] = _latency(d0, d1, 16, 1, 1, threads=32, clock_offset_ns=clock["offset_ns"])
     out["two_gpu"] = res
     d0.activate()
 
@@ -519,6 +533,10 @@ def table(out: dict) -> str:
             L.append(f"   {t['rows']}-row pair over {t['sms']} SMs x {t['threads']} threads (last-arriver path): "
                      f"median {t['median_us']:.2f} us, "
                      f"min {t['min_us']:.2f} us")
+        if "signal_latency_16B" in out:
+            u = out["signal_latency_16B"]
+            L.append(f"   1-row pair of 16 B (the release/acquire alone): median {u['median_us']:.2f} us, "
+                     f"min {u['min_us']:.2f} us")
     if "host" in out or "decode" in out:
         h = out.get("host", {})
         L.append(f"\n5. host: {h.get('launch_us', float('nan')):.2f} us per launch (prebuilt params), "
@@ -554,6 +572,10 @@ def table(out: dict) -> str:
                 sl = t["signal_latency"]
                 L.append(f"   signal latency GPU0 -> GPU1 (1-row pair, .sys scope): median {sl['median_us']:.2f} us, "
                          f"min {sl['min_us']:.2f} us (target <= 3)")
+            if "signal_latency_16B" in t:
+                sl = t["signal_latency_16B"]
+                L.append(f"   signal latency GPU0 -> GPU1, 1-row pair of 16 B: median {sl['median_us']:.2f} us, "
+                         f"min {sl['min_us']:.2f} us")
     for k, v in out.get("extra", {}).items():
         L.append(f"\n{k}: {v}")
     return "\n".join(L)

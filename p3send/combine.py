@@ -122,7 +122,7 @@ class Combine:
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  max_rows: int | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
                  guard: bool = False, stamps: bool = True, num_sms: int | None = None, row_cache: bool = False):
-        """num_sms: SMs per rank's send (default: the GPU's SMs / n_ranks)."""
+        """num_sms: SMs per rank's send (default: 2 x the GPU's SMs / n_ranks, at most all)."""
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
         if problems:
@@ -149,9 +149,11 @@ class Combine:
         self.topk_idx = [alloc(4 * max(max_tokens * top_k, 1), 0xFF) for _ in R]
         self.weights = [alloc(4 * max(max_tokens * top_k, 1), 0) for _ in R]
         self.out = [alloc(max(max_tokens, 1) * self.msg, 0) for _ in R]
-        # On one GPU the ranks share it: by default each rank's send gets 1/n_ranks of the
-        # SMs, so all sends of a round run at once instead of one after another.
-        share = num_sms or max(1, self.dev.sm_count // n_ranks)
+        # On one GPU the ranks share it: by default each rank's send gets 2/n_ranks of the
+        # SMs, so the sends of a round run at once instead of one after another, and the
+        # CTAs of ranks with fewer rows leave their SMs to the others' (2x oversubscribed:
+        # 8 ranks x 128 tokens, 122 us a round against 126 us with 1/n_ranks, docs/PERF.md).
+        share = num_sms or max(1, min(self.dev.sm_count, 2 * self.dev.sm_count // n_ranks))
         self.senders = [ScatterSend(n_local_experts, device=self.dev, num_sms=share) for _ in R]
         self.receivers = [RecvReduce(device=self.dev, max_ctas=max(1, 4 * self.dev.sm_count // n_ranks))
                           for _ in R]
@@ -266,10 +268,11 @@ class Combine:
                 self.counts[r].fill(0xFF)
             raise ArrivalTimeout(missing, record, self.timeout_ns)
 
-    def capture(self) -> driver.Graph:
-        """A CUDA graph of one round; replay with ``graph.launch(combine.origin)``."""
+    def capture(self, send=True, receive=True) -> driver.Graph:
+        """A CUDA graph of one round (or of one half, as ``enqueue``); replay with
+        ``graph.launch(combine.origin)``."""
         with driver.Graph.capture(self.origin, self.streams) as cap:
-            self.enqueue()
+            self.enqueue(send=send, receive=receive)
         return cap.graph
 
     # ------------------------------------------------------------ results

@@ -194,6 +194,16 @@ class Stream:
     def wait(self, event: "Event") -> None:
         call("cuStreamWaitEvent", self.handle, event.handle, 0)
 
+    def query(self) -> bool:
+        """True when everything enqueued so far has completed (cuStreamQuery)."""
+        cu = _cu()
+        err = cu.cuStreamQuery(self.handle)[0]
+        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        if err != cu.CUresult.CUDA_SUCCESS:
+            call("cuStreamSynchronize", self.handle)       # raises, naming the error
+        return True
+
     def close(self) -> None:
         if self._owned:
             self._owned = False

@@ -1,6 +1,11 @@
-"""Maintainer experiment: time textual variants of p3_scatter_send side by side at the
-prefill shape (one run, same inputs), to test performance hypotheses before changing
-the shipped kernel. Variants are the shipped PTX with one change each; not shipped."""
+"""Maintainer experiment: time textual variants of p3_scatter_send side by side (one run,
+same inputs), to test performance hypotheses before changing the shipped kernel.
+Variants are the shipped PTX with one change each; not shipped.
+
+    python3 tools/send_variants.py                       # prefill shape, 8 ranks on one GPU
+    python3 tools/send_variants.py --peer --tokens 128    # decode shape, GPU 0 -> GPU 1
+    python3 tools/send_variants.py --epilogue             # p3_epilogue_send variants, prefill shape
+    python3 tools/send_variants.py --decode               # one-GPU decode round: SM shares"""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +13,14 @@ import re
 
 import numpy as np
 
-from p3send import P3PeerSendConfig, driver, kernels
+from p3send import P3PeerSendConfig, driver, kernels, ptxdoc
 from p3send.bench import Timer, _random_bytes, prefill_routing
-from p3send.kernels import ScatterSend
+from p3send.kernels import EpilogueSend, ScatterSend
+from p3send.layout import encode_range_table
 
 BASE = (kernels.ptx_dir() / "p3_scatter_send.ptx").read_text()
+EPI = (kernels.ptx_dir() / "p3_epilogue_send.ptx").read_text()
+ROWS = (kernels.ptx_dir() / "p3_send_rows.ptx").read_text()
 
 
 def variants():
@@ -21,59 +29,281 @@ def variants():
     v["st.cs"] = (BASE.replace("st.global.v4.u32    [%u1]", "st.global.cs.v4.u32 [%u1]"), {})
     v["cp.async L2::256B"] = (BASE.replace("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::256B ["), {})
     v["512thr x 2/SM"] = (BASE, {"threads": 512, "grid_mult": 2})
-    v["gpu-scope fences"] = (re.sub(r"(fence\.acq_rel|st\.release)\.sys", r"\1.gpu", BASE), {})
+    v["256thr x 4/SM"] = (BASE, {"threads": 256, "grid_mult": 4})
+    v["half the SMs"] = (BASE, {"grid_div": 2})
+    v["gpu-scope fences"] = (re.sub(r"(fence\.acq_rel|st\.release)\.sys", r"\1.gpu", BASE), {"local_only": True})
+    # A shared expert's warps order their stores with a .gpu fence before the done[e] RMW;
+    # the last arriver's st.release.sys still publishes (causality order is transitive).
+    v["gpu fence, sys publish"] = (BASE.replace("@%q2 fence.acq_rel.sys;", "@%q2 fence.acq_rel.gpu;"), {})
     return v
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--iters", type=int, default=40)
-    a = ap.parse_args()
-    dev = driver.device()
+def epilogue_items(text: str, n: int, incremental: bool = False) -> str:
+    """p3_epilogue_send with n fp32 items (32 B per lane each) in flight per round instead
+    of 8; incremental: each item's (stage row, column group) from the previous item's by an
+    add and a conditional wrap, instead of a div and a rem per item and phase."""
+    head = text.index("    // fp32 -> bf16: items (row, 8 columns)")
+    tail = text.index("CONVERTED:")
+    L = [f"    // fp32 -> bf16: items (row, 8 columns) of the stage, {n} per thread per round ({2 * n} loads in flight)",
+         "    mul.lo.u32          %items, %valid, %nvt;", "    mov.u32             %t0, %tid.x;",
+         "    mov.u32             %it, %t0;"]
+    if incremental:
+        L += ["    div.u32             %drw, %nthr_e, %nvt;        // item i+1 - item i: rows and column groups",
+              "    rem.u32             %dcl, %nthr_e, %nvt;"]
+    L += ["CONVERT:", "    setp.ge.u32         %q0, %it, %items;", "    @%q0 bra            CONVERTED;"]
+    if incremental:
+        L += ["    div.u32             %rw0, %it, %nvt;            // item 0: stage row, column group",
+              "    rem.u32             %cl0, %it, %nvt;"]
+
+    def locate(i):
+        if not incremental:
+            return ["    div.u32             %t1, %q, %nvt;              // stage row",
+                    "    rem.u32             %t2, %q, %nvt;              // 8-column group"]
+        if i == 0:
+            return ["    mov.u32             %t1, %rw0;", "    mov.u32             %t2, %cl0;"]
+        return ["    add.u32             %t1, %t1, %drw;", "    add.u32             %t2, %t2, %dcl;",
+                "    setp.ge.u32         %q1, %t2, %nvt;", "    @%q1 sub.u32        %t2, %t2, %nvt;",
+                "    @%q1 add.u32        %t1, %t1, 1;"]
+    for i in range(n):
+        f = 8 * i
+        L += [f"    mad.lo.u32          %q, %nthr_e, {i}, %it;        // item {i} of this round",
+              f"    setp.lt.u32         %ld{i}, %q, %items;", *locate(i),
+              "    add.u32             %t3, %r0, %t1;", "    cvt.u64.u32         %u1, %t3;",
+              "    mad.lo.u32          %t4, %t2, 8, %nabs;", "    mul.wide.u32        %u2, %t4, 4;",
+              "    mad.lo.s64          %u1, %u1, %accs, %u2;", "    add.s64             %u1, %accp, %u1;",
+              f"    @%ld{i} ld.global.nc.v4.f32 {{%f{f}, %f{f + 1}, %f{f + 2}, %f{f + 3}}}, [%u1];",
+              f"    @%ld{i} ld.global.nc.v4.f32 {{%f{f + 4}, %f{f + 5}, %f{f + 6}, %f{f + 7}}}, [%u1+16];"]
+    for i in range(n):
+        f, h = 8 * i, 4 * i
+        L += [f"    cvt.rn.bf16x2.f32   %h{h + j}, %f{f + 2 * j + 1}, %f{f + 2 * j};" for j in range(4)]
+        if not incremental:
+            L += [f"    mad.lo.u32          %q, %nthr_e, {i}, %it;"]
+        L += [*locate(i), "    mad.lo.u32          %t3, %t1, %pitch, %buf;",
+              "    mad.lo.u32          %t3, %t2, 16, %t3;",
+              f"    @%ld{i} st.shared.v4.b32 [%t3], {{%h{h}, %h{h + 1}, %h{h + 2}, %h{h + 3}}};"]
+    L += [f"    mul.lo.u32          %t1, %nthr_e, {n};", "    add.u32             %it, %it, %t1;",
+          "    bra.uni             CONVERT;", ""]
+    out = text[:head] + "\n".join(L) + text[tail:]
+    if incremental and "%rw0" not in text[:head]:
+        out = out.replace("    .reg .b32   %buf, %nvt,", "    .reg .b32   %rw0, %cl0, %drw, %dcl;\n    .reg .b32   %buf, %nvt,", 1)
+    return (out.replace("%ld<8>", f"%ld<{n}>").replace(".reg .f32   %f<64>", f".reg .f32   %f<{8 * n}>")
+               .replace(".reg .b32   %h<32>", f".reg .b32   %h<{4 * n}>"))
+
+
+def epilogue_contiguous(text: str) -> str:
+    """p3_epilogue_send with each CTA taking one contiguous range of tiles (so one CTA sends
+    a row block's column tiles one after another) instead of tiles round-robin."""
+    def sub(old, new):
+        nonlocal text
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    sub("    .reg .b32   %buf, %nvt,", "    .reg .b32   %tend;\n    .reg .b32   %buf, %nvt,")
+    sub("    mov.u32             %tile, %ctaid.x;\n", """    mov.u32             %t5, 0;
+    mov.u32             %e, 0;
+TCOUNT:
+    setp.ge.u32         %q0, %e, %nexp;
+    @%q0 bra            TCOUNTED;
+    mad.wide.u32        %u0, %e, 4, %offs;
+    ld.global.nc.s32    %t1, [%u0];
+    ld.global.nc.s32    %t2, [%u0+4];
+    sub.s32             %t3, %t2, %t1;
+    max.s32             %t3, %t3, 0;
+    add.u32             %t3, %t3, %bmr;
+    sub.u32             %t3, %t3, 1;
+    div.u32             %t3, %t3, %bmr;
+    mad.lo.u32          %t5, %t3, %nblk, %t5;
+    add.u32             %e, %e, 1;
+    bra.uni             TCOUNT;
+TCOUNTED:
+    mov.u32             %t1, %nctaid.x;
+    add.u32             %t6, %t5, %t1;
+    sub.u32             %t6, %t6, 1;
+    div.u32             %t6, %t6, %t1;
+    mov.u32             %t2, %ctaid.x;
+    mul.lo.u32          %tile, %t2, %t6;
+    add.u32             %tend, %tile, %t6;
+    min.u32             %tend, %tend, %t5;
+""")
+    sub("TILE:\n", "TILE:\n    setp.ge.u32         %q0, %tile, %tend;\n    @%q0 bra            EPI_DONE;\n")
+    sub("    mov.u32             %t1, %nctaid.x;\n    add.u32             %tile, %tile, %t1;\n    bra.uni             TILE;",
+        "    add.u32             %tile, %tile, 1;\n    bra.uni             TILE;")
+    return text
+
+
+def epilogue_variants():
+    ld_l2 = EPI.replace("ld.global.nc.v4.f32", "ld.global.nc.L2::256B.v4.f32")
+    st_cs = ROWS.replace("st.global.v4.u32    [%u1], {%d0", "st.global.cs.v4.u32 [%u1], {%d0")
+    return {"baseline": (EPI, ROWS), "ld .L2::256B": (ld_l2, ROWS), "st.cs": (EPI, st_cs),
+            "12 items": (epilogue_items(EPI, 12), ROWS), "16 items": (epilogue_items(EPI, 16), ROWS),
+            "8 items, incremental index": (epilogue_items(EPI, 8, True), ROWS),
+            "12 items, incremental index": (epilogue_items(EPI, 12, True), ROWS),
+            "16 items, incremental index": (epilogue_items(EPI, 16, True), ROWS),
+            "tiles column-major": (EPI.replace("div.u32             %t5, %t4, %nblk;            // row block\n"
+                                               "    rem.u32             %t6, %t4, %nblk;",
+                                               "rem.u32             %t5, %t4, %t3;\n"
+                                               "    div.u32             %t6, %t4, %t3;"), ROWS),
+            "tiles CTA-contiguous": (epilogue_contiguous(EPI), ROWS)}
+
+
+def run_epilogue(a, dev) -> None:
+    import torch
+    from p3send.bench import EPILOGUE_GEOMETRIES
     rng = np.random.default_rng(1)
     hidden, top_k, ranks, experts = 7168, 8, 8, 32
-    msg, rows = 2 * hidden, a.tokens * top_k
+    rows, msg = a.tokens * top_k, 2 * hidden
     off, table, src, _ = prefill_routing(a.tokens, ranks, top_k, experts, rng)
-    c = _random_bytes(rows * msg, rng)
-    recvs = [driver.DeviceBuffer(a.tokens * top_k * msg) for _ in range(ranks)]
+    acc = torch.randn((rows, hidden), dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    recvs = [driver.DeviceBuffer(rows * msg) for _ in range(ranks)]
     counts = [driver.DeviceBuffer(8 * experts * ranks, fill=0xFF) for _ in range(ranks)]
-    rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
-    offs = driver.DeviceBuffer.from_array(off)
+    rtab, srcb, offs = (driver.DeviceBuffer.from_array(x) for x in (table, src, off))
+    cache = driver.DeviceBuffer(8 * rows, fill=0)
     cfg = P3PeerSendConfig.disabled()
-    cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, srcb.ptr
-    cfg.recv_buf_ptrs = [recvs[p].ptr for p in range(8)]
+    cfg.atomic_counter, cfg.src_info_ptr, cfg.row_base_ptr = rtab.ptr, srcb.ptr, cache.ptr
+    cfg.recv_buf_ptrs = [b.ptr for b in recvs]
     cfg.n_ranks = cfg.p2p_world_size = ranks
     cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank = top_k, msg, a.tokens
     s = driver.Stream()
     timer = Timer(s)
-    dst = driver.DeviceBuffer(rows * msg)
-    copy = timer.run(lambda i: driver.memcpy_dtod(dst.ptr, c.ptr, rows * msg, s), a.iters, 5)["median_us"]
-    print(f"d2d copy: {copy:.1f} us")
+    z = timer.run(lambda i: cache.fill(0, s), a.iters, 5)["median_us"]
+    print(f"epilogue variants, {rows} rows x {hidden} fp32; row-cache zeroing alone {z:.1f} us (inside every time below)")
+    for geo in (EPILOGUE_GEOMETRIES[8], EPILOGUE_GEOMETRIES[0]):
+        for name, (epi, rws) in epilogue_variants().items():
+            fused = EpilogueSend(experts, device=dev, **geo)
+            fused.k = kernels.load(ptxdoc.module_text(epi, [("p3_send_rows.ptx", rws)]), device=dev,
+                                   name=f"variant {name}")["p3_epilogue_send"]
+            driver.set_max_dynamic_smem(fused.k.func, fused.smem)
+            fused.grid = max(1, driver.occupancy(fused.k.func, fused.threads, fused.smem)) * dev.sm_count
+            fused.block = fused.k.params_block()
+            blk = fused.prepare(cfg, acc, hidden, offs, expert_offsets_host=off, count_ptrs=counts,
+                                rows_in_acc=rows, row_cache=True)
+
+            def run(i, fused=fused, blk=blk):
+                cache.fill(0, s)
+                fused.launch(s, blk)
+            t = timer.run(run, a.iters, 5)
+            print("bm{bm} bn{bn} S{num_stages} N{send_warps} E{epilogue_warps}".format(**geo),
+                  f"{name:<24} {t['median_us']:8.1f} us (min {t['min_us']:.1f}, regs {fused.k.num_regs}, "
+                  f"grid {fused.grid})")
+            fused.close()
+    for b in recvs + counts + [rtab, srcb, offs, cache]:
+        b.free()
+
+
+def run_decode(a, dev) -> None:
+    from p3send.cases import world_case
+    from p3send.combine import Combine
+    world = world_case(n_ranks=8, tokens=128, top_k=8, n_local=32, hidden=7168, seed=1)
+    for share, recv_ctas in ((None, None), (dev.sm_count // 4, None), (dev.sm_count, None),
+                             (None, 4 * dev.sm_count), (dev.sm_count, 4 * dev.sm_count)):
+        comb = Combine(8, max_tokens=128, top_k=8, hidden=7168, n_local_experts=32, device=dev,
+                       stamps=False, num_sms=share)
+        for r in comb.receivers:
+            r.max_ctas = recv_ctas or r.max_ctas
+        comb.load_world(world)
+        comb.round()
+        times = {}
+        for label, kw in (("round", {}), ("sends only", {"receive": False})):
+            graph = comb.capture(**kw)
+            times[label] = Timer(comb.origin).run(lambda i: graph.launch(comb.origin), 4 * a.iters, 10)["median_us"]
+            graph.close()
+        comb.round()
+        print(f"decode: send SMs/rank {comb.senders[0].grid:>3}, receive CTAs/rank {comb.receivers[0].grid:>3}: "
+              f"round {times['round']:.1f} us, sends only {times['sends only']:.1f} us")
+        comb.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (rows = tokens x 8)")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--peer", action="store_true",
+                    help="send from GPU 0 into GPU 1 (every row remote) against cuMemcpyPeerAsync")
+    ap.add_argument("--epilogue", action="store_true", help="p3_epilogue_send variants")
+    ap.add_argument("--decode", action="store_true", help="one-GPU decode round: SM shares")
+    a = ap.parse_args()
+    dev = driver.device()
+    if a.epilogue:
+        run_epilogue(a, dev)
+        return 0
+    if a.decode:
+        run_decode(a, dev)
+        return 0
+    rng = np.random.default_rng(1)
+    hidden, top_k, ranks, experts = 7168, 8, 8, 32
+    msg, rows = 2 * hidden, a.tokens * top_k
+    c = _random_bytes(rows * msg, rng)
+    cfg = P3PeerSendConfig.disabled()
+    keep = []
+    if a.peer:
+        peer = driver.device(1)
+        dev.enable_peer_access(peer)
+        peer.enable_peer_access(dev)
+        ranks = 2
+        off = np.concatenate([[0], np.cumsum(np.full(experts, rows // experts))]).astype(np.int32)
+        owned = np.zeros((experts, 2), np.int64)
+        owned[:, 1] = np.diff(off)
+        table = encode_range_table(off, owned)
+        src = np.stack([np.arange(rows) // top_k, np.arange(rows) % top_k], 1).astype(np.int32)
+        peer.activate()
+        far = [driver.DeviceBuffer(rows * msg), driver.DeviceBuffer(8 * experts * ranks, fill=0xFF)]
+        dev.activate()
+        near = [driver.DeviceBuffer(rows * msg), driver.DeviceBuffer(8 * experts * ranks, fill=0xFF)]
+        recv_ptrs, counts = [near[0].ptr, far[0].ptr], [near[1], far[1]]
+        keep += near + far
+    else:
+        off, table, src, _ = prefill_routing(a.tokens, ranks, top_k, experts, rng)
+        recvs = [driver.DeviceBuffer(a.tokens * top_k * msg) for _ in range(ranks)]
+        counts = [driver.DeviceBuffer(8 * experts * ranks, fill=0xFF) for _ in range(ranks)]
+        recv_ptrs = [b.ptr for b in recvs]
+        keep += recvs + counts
+    rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
+    offs = driver.DeviceBuffer.from_array(off)
+    cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, srcb.ptr
+    cfg.recv_buf_ptrs = recv_ptrs + [0x1] * (8 - ranks)
+    cfg.n_ranks = cfg.p2p_world_size = ranks
+    cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank = top_k, msg, a.tokens
+    s = driver.Stream()
+    timer = Timer(s)
+    if a.peer:
+        ref_name = "cuMemcpyPeerAsync"
+        ref = timer.run(lambda i: driver.memcpy_peer(far[0].ptr, peer, c.ptr, dev, rows * msg, s),
+                        a.iters, 5)["median_us"]
+    else:
+        ref_name = "d2d copy"
+        dst = driver.DeviceBuffer(rows * msg)
+        ref = timer.run(lambda i: driver.memcpy_dtod(dst.ptr, c.ptr, rows * msg, s), a.iters, 5)["median_us"]
+    print(f"{rows} rows x {msg} B{' GPU0 -> GPU1' if a.peer else ''}: {ref_name} {ref:.1f} us")
     for name, (text, opt) in variants().items():
+        if a.peer and opt.get("local_only"):
+            continue
         threads = opt.get("threads", 1024)
         sender = ScatterSend(experts, device=dev, threads=threads)
         sender.k = kernels.load(text, device=dev, name=f"variant {name}")["p3_scatter_send"]
         driver.set_max_dynamic_smem(sender.k.func, sender.smem)
-        sender.grid = dev.sm_count * opt.get("grid_mult", 1)
+        sender.grid = dev.sm_count * opt.get("grid_mult", 1) // opt.get("grid_div", 1)
         blk = sender.prepare(cfg, c, offs, expert_offsets_host=off, rows_in_c=rows,
                              count_ptrs=counts if opt.get("signal", True) else None,
                              into=sender.k.params_block())
         t = timer.run(lambda i: sender.launch(s, blk), a.iters, 5)
-        print(f"{name:<20} {t['median_us']:8.1f} us  {t['median_us'] / copy:.3f}x copy  "
-              f"(min {t['min_us']:.1f}, regs {sender.k.num_regs})")
+        print(f"{name:<24} {t['median_us']:8.1f} us  {t['median_us'] / ref:.3f}x {ref_name}  "
+              f"(min {t['min_us']:.1f}, regs {sender.k.num_regs}, grid {sender.grid} x {threads})")
         sender.close()
-    # signal latency (one-warp pair, kernels concurrent) of the fence-scope variants
+    # signal latency (one-warp pair, kernels concurrent) of the fence variants
     from p3send import bench
     orig = kernels.kernel
-    for name in ("baseline", "gpu-scope fences"):
+    recv_dev = driver.device(1) if a.peer else dev
+    offset = bench._clock_offset(dev, recv_dev)["offset_ns"] if a.peer else 0.0
+    for name in ("baseline", "gpu fence, sys publish") + (() if a.peer else ("gpu-scope fences",)):
         k = kernels.load(variants()[name][0], device=dev, name=f"variant {name}")["p3_scatter_send"]
         kernels.kernel = lambda entry, device=None, k=k: k if entry == "p3_scatter_send" else orig(entry, device)
         try:
-            lat = bench._latency(dev, msg, 1, 1, threads=32)
+            lat = bench._latency(dev, recv_dev, msg, 1, 1, threads=32, clock_offset_ns=offset)
         finally:
             kernels.kernel = orig
-        print(f"latency {name:<20} median {lat['median_us']:.2f} us, min {lat['min_us']:.2f} us")
+        print(f"latency {name:<24} median {lat['median_us']:.2f} us, min {lat['min_us']:.2f} us")
+    for b in keep + [c, rtab, srcb, offs]:
+        b.free()
     return 0
 
 

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from p3send import ArrivalTimeout
+from p3send import ArrivalTimeout, driver
 from p3send.cases import check_world, world_case, world_counts_expected
 from p3send.combine import Combine
 from p3send.reference import f32_to_bf16
@@ -77,6 +77,30 @@ def test_graph_replays_with_fresh_inputs(dev):
             verify(comb, world)
         graph.close()
     finally:
+        comb.close()
+
+
+def test_receives_waiting_before_the_sends(dev):
+    """The streaming path: every receive is already spinning (its warps' first look saw
+    no pair arrived) when the sends start on other streams; the pairs are then acquired
+    by the polls, and the round is byte-exact."""
+    world = world_case(n_ranks=4, tokens=64, top_k=4, n_local=4, hidden=256, seed=fresh_seed("early"))
+    comb = make(dev, world)
+    late = [driver.Stream() for _ in range(world.n_ranks)]
+    try:
+        for r in range(world.n_ranks):
+            comb.receivers[r].launch(comb.streams[r])
+        time.sleep(0.05)
+        assert not all(s.query() for s in comb.streams), "the receives finished before anything was sent"
+        for r in range(world.n_ranks):
+            comb.senders[r].launch(late[r])
+        for s in late + comb.streams:
+            s.synchronize()
+        comb.check()
+        verify(comb, world)
+    finally:
+        for s in late:
+            s.close()
         comb.close()
 
 
