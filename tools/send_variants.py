@@ -130,6 +130,88 @@ TCOUNTED:
     return text
 
 
+def epilogue_prefetch(text: str, first_stage: bool) -> str:
+    """p3_epilogue_send where warp 0 bulk-prefetches the tile's fp32 rows into L2 when the
+    tile starts (rows past its first stage, or all of them), one cp.async.bulk.prefetch
+    per row piece: DRAM reads in flight without registers or shared memory."""
+    anchor = "    shr.u32             %nvt, %ncol_t, 3;           // 16-byte bf16 vectors per tile row\n"
+    assert text.count(anchor) == 1
+    start = "%mabs" if first_stage else "%t1"
+    block = f"""    setp.ne.u32         %q0, %warp, 0;
+    @%q0 bra            PF_DONE;
+    add.u32             %t1, %mabs, %sr;
+    add.u32             %t1, {start}, %lane;
+    shl.b32             %t2, %ncol_t, 2;            // bytes of a row piece
+PF_LOOP:
+    setp.ge.s32         %q0, %t1, %mend;
+    @%q0 bra            PF_DONE;
+    cvt.u64.u32         %u1, %t1;
+    mul.wide.u32        %u2, %nabs, 4;
+    mad.lo.s64          %u1, %u1, %accs, %u2;
+    add.s64             %u1, %accp, %u1;
+    cp.async.bulk.prefetch.L2.global [%u1], %t2;
+    add.u32             %t1, %t1, 32;
+    bra.uni             PF_LOOP;
+PF_DONE:
+"""
+    return text.replace(anchor, anchor + block)
+
+
+def epilogue_prefetch_next(text: str) -> str:
+    """p3_epilogue_send where warp 0 bulk-prefetches the fp32 rows of this CTA's NEXT tile
+    into L2 when a tile starts."""
+    anchor = "    shr.u32             %nvt, %ncol_t, 3;           // 16-byte bf16 vectors per tile row\n"
+    block = """    setp.ne.u32         %q0, %warp, 0;
+    @%q0 bra            PFN_DONE;
+    mov.u32             %t5, %nctaid.x;
+    add.u32             %t5, %tile, %t5;
+    mov.u32             %t6, %e;
+    mov.u32             %t7, %tbase;
+PFN_SEARCH:
+    setp.ge.u32         %q0, %t6, %nexp;
+    @%q0 bra            PFN_DONE;
+    mad.wide.u32        %u0, %t6, 4, %offs;
+    ld.global.nc.s32    %t1, [%u0];
+    ld.global.nc.s32    %t2, [%u0+4];
+    sub.s32             %t3, %t2, %t1;
+    max.s32             %t3, %t3, 0;
+    add.u32             %t3, %t3, %bmr;
+    sub.u32             %t3, %t3, 1;
+    div.u32             %t3, %t3, %bmr;
+    mul.lo.u32          %t4, %t3, %nblk;
+    sub.u32             %t0, %t5, %t7;
+    setp.lt.u32         %q0, %t0, %t4;
+    @%q0 bra            PFN_FOUND;
+    add.u32             %t7, %t7, %t4;
+    add.u32             %t6, %t6, 1;
+    bra.uni             PFN_SEARCH;
+PFN_FOUND:
+    div.u32             %t3, %t0, %nblk;
+    rem.u32             %t4, %t0, %nblk;
+    mad.lo.u32          %t3, %t3, %bmr, %t1;
+    add.u32             %t5, %t3, %bmr;
+    min.s32             %t5, %t5, %t2;
+    mul.lo.u32          %t4, %t4, %bnc;
+    sub.u32             %t6, %ncols, %t4;
+    min.u32             %t6, %t6, %bnc;
+    shl.b32             %t6, %t6, 2;
+    add.u32             %t3, %t3, %lane;
+PFN_LOOP:
+    setp.ge.s32         %q0, %t3, %t5;
+    @%q0 bra            PFN_DONE;
+    cvt.u64.u32         %u1, %t3;
+    mul.wide.u32        %u2, %t4, 4;
+    mad.lo.s64          %u1, %u1, %accs, %u2;
+    add.s64             %u1, %accp, %u1;
+    cp.async.bulk.prefetch.L2.global [%u1], %t6;
+    add.u32             %t3, %t3, 32;
+    bra.uni             PFN_LOOP;
+PFN_DONE:
+"""
+    assert text.count(anchor) == 1
+    return text.replace(anchor, anchor + block)
+
+
 def epilogue_variants():
     ld_l2 = EPI.replace("ld.global.nc.v4.f32", "ld.global.nc.L2::256B.v4.f32")
     st_cs = ROWS.replace("st.global.v4.u32    [%u1], {%d0", "st.global.cs.v4.u32 [%u1], {%d0")
@@ -142,7 +224,11 @@ def epilogue_variants():
                                                "    rem.u32             %t6, %t4, %nblk;",
                                                "rem.u32             %t5, %t4, %t3;\n"
                                                "    div.u32             %t6, %t4, %t3;"), ROWS),
-            "tiles CTA-contiguous": (epilogue_contiguous(EPI), ROWS)}
+            "tiles CTA-contiguous": (epilogue_contiguous(EPI), ROWS),
+            "L2 prefetch, later stages": (epilogue_prefetch(EPI, False), ROWS),
+            "L2 prefetch, whole tile": (epilogue_prefetch(EPI, True), ROWS),
+            "L2 prefetch, next tile": (epilogue_prefetch_next(EPI), ROWS),
+            "L2 prefetch, this + next tile": (epilogue_prefetch_next(epilogue_prefetch(EPI, False)), ROWS)}
 
 
 def run_epilogue(a, dev) -> None:
@@ -169,6 +255,8 @@ def run_epilogue(a, dev) -> None:
     print(f"epilogue variants, {rows} rows x {hidden} fp32; row-cache zeroing alone {z:.1f} us (inside every time below)")
     for geo in (EPILOGUE_GEOMETRIES[8], EPILOGUE_GEOMETRIES[0]):
         for name, (epi, rws) in epilogue_variants().items():
+            if a.variant and name != "baseline" and not any(v in name for v in a.variant):
+                continue
             fused = EpilogueSend(experts, device=dev, **geo)
             fused.k = kernels.load(ptxdoc.module_text(epi, [("p3_send_rows.ptx", rws)]), device=dev,
                                    name=f"variant {name}")["p3_epilogue_send"]
@@ -221,6 +309,7 @@ def main() -> int:
                     help="send from GPU 0 into GPU 1 (every row remote) against cuMemcpyPeerAsync")
     ap.add_argument("--epilogue", action="store_true", help="p3_epilogue_send variants")
     ap.add_argument("--decode", action="store_true", help="one-GPU decode round: SM shares")
+    ap.add_argument("--variant", action="append", default=[], help="with --epilogue: only variants naming this")
     a = ap.parse_args()
     dev = driver.device()
     if a.epilogue:
