@@ -216,6 +216,7 @@ def epilogue_variants():
     ld_l2 = EPI.replace("ld.global.nc.v4.f32", "ld.global.nc.L2::256B.v4.f32")
     st_cs = ROWS.replace("st.global.v4.u32    [%u1], {%d0", "st.global.cs.v4.u32 [%u1], {%d0")
     return {"baseline": (EPI, ROWS), "ld .L2::256B": (ld_l2, ROWS), "st.cs": (EPI, st_cs),
+            "4 items": (epilogue_items(EPI, 4), ROWS),
             "12 items": (epilogue_items(EPI, 12), ROWS), "16 items": (epilogue_items(EPI, 16), ROWS),
             "8 items, incremental index": (epilogue_items(EPI, 8, True), ROWS),
             "12 items, incremental index": (epilogue_items(EPI, 12, True), ROWS),
@@ -225,6 +226,8 @@ def epilogue_variants():
                                                "rem.u32             %t5, %t4, %t3;\n"
                                                "    div.u32             %t6, %t4, %t3;"), ROWS),
             "tiles CTA-contiguous": (epilogue_contiguous(EPI), ROWS),
+            "contiguous + 16 items, incremental": (epilogue_contiguous(epilogue_items(EPI, 16, True)), ROWS),
+            "contiguous + 12 items, incremental": (epilogue_contiguous(epilogue_items(EPI, 12, True)), ROWS),
             "L2 prefetch, later stages": (epilogue_prefetch(EPI, False), ROWS),
             "L2 prefetch, whole tile": (epilogue_prefetch(EPI, True), ROWS),
             "L2 prefetch, next tile": (epilogue_prefetch_next(EPI), ROWS),
@@ -255,7 +258,9 @@ def run_epilogue(a, dev) -> None:
     print(f"epilogue variants, {rows} rows x {hidden} fp32; row-cache zeroing alone {z:.1f} us (inside every time below)")
     best = dict(bm=16, bn=1024, num_stages=2, send_warps=1, epilogue_warps=1)
     assert best in EPILOGUE_GEOMETRIES
-    for geo in (best, EPILOGUE_GEOMETRIES[0]):
+    geos = [dict(zip(("bm", "bn", "num_stages", "send_warps", "epilogue_warps"), map(int, g.split(","))))
+            for g in a.geometry] or [best, EPILOGUE_GEOMETRIES[0]]
+    for geo in geos:
         for name, (epi, rws) in epilogue_variants().items():
             if a.variant and name != "baseline" and not any(v in name for v in a.variant):
                 continue
@@ -312,6 +317,8 @@ def main() -> int:
     ap.add_argument("--epilogue", action="store_true", help="p3_epilogue_send variants")
     ap.add_argument("--decode", action="store_true", help="one-GPU decode round: SM shares")
     ap.add_argument("--variant", action="append", default=[], help="with --epilogue: only variants naming this")
+    ap.add_argument("--geometry", action="append", default=[], metavar="BM,BN,S,N,E",
+                    help="with --epilogue: geometries to time (default: the best and the default one)")
     a = ap.parse_args()
     dev = driver.device()
     if a.epilogue:
