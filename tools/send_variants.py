@@ -90,6 +90,19 @@ def epilogue_items(text: str, n: int, incremental: bool = False) -> str:
                .replace(".reg .b32   %h<32>", f".reg .b32   %h<{4 * n}>"))
 
 
+def row_blocks(expert: str) -> str:
+    """PTX: %t1, %t2 = the expert's first and end rows, %t3 = its row blocks of bm."""
+    return f"""    mad.wide.u32        %u0, {expert}, 4, %offs;
+    ld.global.nc.s32    %t1, [%u0];
+    ld.global.nc.s32    %t2, [%u0+4];
+    sub.s32             %t3, %t2, %t1;
+    max.s32             %t3, %t3, 0;
+    add.u32             %t3, %t3, %bmr;
+    sub.u32             %t3, %t3, 1;
+    div.u32             %t3, %t3, %bmr;
+"""
+
+
 def epilogue_contiguous(text: str) -> str:
     """p3_epilogue_send with each CTA taking one contiguous range of tiles (so one CTA sends
     a row block's column tiles one after another) instead of tiles round-robin."""
@@ -98,20 +111,12 @@ def epilogue_contiguous(text: str) -> str:
         assert text.count(old) == 1, old
         text = text.replace(old, new)
     sub("    .reg .b32   %buf, %nvt,", "    .reg .b32   %tend;\n    .reg .b32   %buf, %nvt,")
-    sub("    mov.u32             %tile, %ctaid.x;\n", """    mov.u32             %t5, 0;
+    sub("    mov.u32             %tile, %ctaid.x;\n", f"""    mov.u32             %t5, 0;
     mov.u32             %e, 0;
 TCOUNT:
     setp.ge.u32         %q0, %e, %nexp;
     @%q0 bra            TCOUNTED;
-    mad.wide.u32        %u0, %e, 4, %offs;
-    ld.global.nc.s32    %t1, [%u0];
-    ld.global.nc.s32    %t2, [%u0+4];
-    sub.s32             %t3, %t2, %t1;
-    max.s32             %t3, %t3, 0;
-    add.u32             %t3, %t3, %bmr;
-    sub.u32             %t3, %t3, 1;
-    div.u32             %t3, %t3, %bmr;
-    mad.lo.u32          %t5, %t3, %nblk, %t5;
+{row_blocks("%e")}    mad.lo.u32          %t5, %t3, %nblk, %t5;
     add.u32             %e, %e, 1;
     bra.uni             TCOUNT;
 TCOUNTED:
@@ -161,7 +166,7 @@ def epilogue_prefetch_next(text: str) -> str:
     """p3_epilogue_send where warp 0 bulk-prefetches the fp32 rows of this CTA's NEXT tile
     into L2 when a tile starts."""
     anchor = "    shr.u32             %nvt, %ncol_t, 3;           // 16-byte bf16 vectors per tile row\n"
-    block = """    setp.ne.u32         %q0, %warp, 0;
+    block = f"""    setp.ne.u32         %q0, %warp, 0;
     @%q0 bra            PFN_DONE;
     mov.u32             %t5, %nctaid.x;
     add.u32             %t5, %tile, %t5;
@@ -170,15 +175,7 @@ def epilogue_prefetch_next(text: str) -> str:
 PFN_SEARCH:
     setp.ge.u32         %q0, %t6, %nexp;
     @%q0 bra            PFN_DONE;
-    mad.wide.u32        %u0, %t6, 4, %offs;
-    ld.global.nc.s32    %t1, [%u0];
-    ld.global.nc.s32    %t2, [%u0+4];
-    sub.s32             %t3, %t2, %t1;
-    max.s32             %t3, %t3, 0;
-    add.u32             %t3, %t3, %bmr;
-    sub.u32             %t3, %t3, 1;
-    div.u32             %t3, %t3, %bmr;
-    mul.lo.u32          %t4, %t3, %nblk;
+{row_blocks("%t6")}    mul.lo.u32          %t4, %t3, %nblk;
     sub.u32             %t0, %t5, %t7;
     setp.lt.u32         %q0, %t0, %t4;
     @%q0 bra            PFN_FOUND;
