@@ -135,6 +135,23 @@ TCOUNTED:
     return text
 
 
+def prefetch_rows(label: str, row: str, end: str, col: str, nbytes: str) -> str:
+    """PTX: lanes bulk-prefetch into L2 the fp32 pieces (column col, nbytes bytes) of rows
+    row, row+32, ... below end."""
+    return f"""{label}_LOOP:
+    setp.ge.s32         %q0, {row}, {end};
+    @%q0 bra            {label}_DONE;
+    cvt.u64.u32         %u1, {row};
+    mul.wide.u32        %u2, {col}, 4;
+    mad.lo.s64          %u1, %u1, %accs, %u2;
+    add.s64             %u1, %accp, %u1;
+    cp.async.bulk.prefetch.L2.global [%u1], {nbytes};
+    add.u32             {row}, {row}, 32;
+    bra.uni             {label}_LOOP;
+{label}_DONE:
+"""
+
+
 def epilogue_prefetch(text: str, first_stage: bool) -> str:
     """p3_epilogue_send where warp 0 bulk-prefetches the tile's fp32 rows into L2 when the
     tile starts (rows past its first stage, or all of them), one cp.async.bulk.prefetch
@@ -147,18 +164,7 @@ def epilogue_prefetch(text: str, first_stage: bool) -> str:
     add.u32             %t1, %mabs, %sr;
     add.u32             %t1, {start}, %lane;
     shl.b32             %t2, %ncol_t, 2;            // bytes of a row piece
-PF_LOOP:
-    setp.ge.s32         %q0, %t1, %mend;
-    @%q0 bra            PF_DONE;
-    cvt.u64.u32         %u1, %t1;
-    mul.wide.u32        %u2, %nabs, 4;
-    mad.lo.s64          %u1, %u1, %accs, %u2;
-    add.s64             %u1, %accp, %u1;
-    cp.async.bulk.prefetch.L2.global [%u1], %t2;
-    add.u32             %t1, %t1, 32;
-    bra.uni             PF_LOOP;
-PF_DONE:
-"""
+{prefetch_rows("PF", "%t1", "%mend", "%nabs", "%t2")}"""
     return text.replace(anchor, anchor + block)
 
 
@@ -193,18 +199,7 @@ PFN_FOUND:
     min.u32             %t6, %t6, %bnc;
     shl.b32             %t6, %t6, 2;
     add.u32             %t3, %t3, %lane;
-PFN_LOOP:
-    setp.ge.s32         %q0, %t3, %t5;
-    @%q0 bra            PFN_DONE;
-    cvt.u64.u32         %u1, %t3;
-    mul.wide.u32        %u2, %t4, 4;
-    mad.lo.s64          %u1, %u1, %accs, %u2;
-    add.s64             %u1, %accp, %u1;
-    cp.async.bulk.prefetch.L2.global [%u1], %t6;
-    add.u32             %t3, %t3, 32;
-    bra.uni             PFN_LOOP;
-PFN_DONE:
-"""
+{prefetch_rows("PFN", "%t3", "%t5", "%t4", "%t6")}"""
     assert text.count(anchor) == 1
     return text.replace(anchor, anchor + block)
 
