@@ -220,6 +220,9 @@ def epilogue_variants():
             "tiles CTA-contiguous": (epilogue_contiguous(EPI), ROWS),
             "contiguous + 16 items, incremental": (epilogue_contiguous(epilogue_items(EPI, 16, True)), ROWS),
             "contiguous + 12 items, incremental": (epilogue_contiguous(epilogue_items(EPI, 12, True)), ROWS),
+            "diagnostic: no fp32 loads (constants converted)": (re.sub(
+                r"@%ld\d+ ld\.global\.nc\.v4\.f32 \{(%f\d+), (%f\d+), (%f\d+), (%f\d+)\}, \[[^\]]+\];",
+                lambda m: " ".join(f"mov.f32 {r}, 0f3F800000;" for r in m.groups()), EPI), ROWS),
             "L2 prefetch, later stages": (epilogue_prefetch(EPI, False), ROWS),
             "L2 prefetch, whole tile": (epilogue_prefetch(EPI, True), ROWS),
             "L2 prefetch, next tile": (epilogue_prefetch_next(EPI), ROWS),
@@ -272,6 +275,11 @@ def run_epilogue(a, dev) -> None:
             print("bm{bm} bn{bn} S{num_stages} N{send_warps} E{epilogue_warps}".format(**geo),
                   f"{name:<24} {t['median_us']:8.1f} us (min {t['min_us']:.1f}, regs {fused.k.num_regs}, "
                   f"grid {fused.grid})")
+            if name == "baseline":      # diagnostic: loads, converts and handshakes, nothing sent
+                off_blk = fused.prepare(cfg, acc, hidden, offs, expert_offsets_host=off, count_ptrs=counts,
+                                        rows_in_acc=rows, row_cache=True, p3_control=-1)
+                t = timer.run(lambda i: fused.launch(s, off_blk), a.iters, 5)
+                print(f"{'':21}{'diagnostic: p3_control < 0 (nothing sent)':<24} {t['median_us']:8.1f} us")
             fused.close()
     for b in recvs + counts + [rtab, srcb, offs, cache]:
         b.free()
