@@ -55,13 +55,18 @@ def call(name: str, *args, log: str = ""):
     res = getattr(cu, name)(*args)
     err, out = res[0], res[1:]
     if err != cu.CUresult.CUDA_SUCCESS:
-        code = int(err)
-        cls = ContextLostError if code in _STICKY else CudaError
-        expl = _err_str(cu, err)
-        if cls is ContextLostError:
-            expl += " [sticky error: this CUDA context is lost; restart the process]"
-        raise cls(name, _err_name(cu, err), code, expl, log)
+        _raise(cu, name, err, log)
     return None if not out else (out[0] if len(out) == 1 else out)
+
+
+def _raise(cu, name: str, err, log: str = ""):
+    """Raise CudaError (ContextLostError for a sticky error) for ``err`` returned by ``name``."""
+    code = int(err)
+    cls = ContextLostError if code in _STICKY else CudaError
+    expl = _err_str(cu, err)
+    if cls is ContextLostError:
+        expl += " [sticky error: this CUDA context is lost; restart the process]"
+    raise cls(name, _err_name(cu, err), code, expl, log)
 
 
 def available() -> tuple[bool, str]:
@@ -201,7 +206,7 @@ class Stream:
         if err == cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
         if err != cu.CUresult.CUDA_SUCCESS:
-            call("cuStreamSynchronize", self.handle)       # raises, naming the error
+            _raise(cu, "cuStreamQuery", err)
         return True
 
     def close(self) -> None:
