@@ -56,7 +56,7 @@ class SendCase:
 
 FAMILIES = ("random", "zero_rows", "one_row", "batch_edges", "row_edges", "primes", "skewed",
             "masked_experts", "starved_rank", "all_to_rank0", "modulo", "bad_src_info", "unrouted",
-            "offset_base")
+            "offset_base", "many_experts")
 
 
 def _split(rng, total, parts, skew=None):
@@ -129,6 +129,10 @@ def send_case(family: str = "random", seed: int | None = None) -> SendCase:
     elif family == "modulo":
         n_ranks, p2p = 8, int(rng.integers(1, 8))
         notes = "ranks fold onto p2p peers"
+    elif family == "many_experts":
+        n_exp = int(rng.integers(40, 100))
+        rows_per_expert = rng.integers(0, 8, n_exp)
+        notes = "more than 32 experts, a few rows each"
     elif family == "offset_base":
         r0, extra, stride_pad = int(rng.integers(1, 50)), int(rng.integers(1, 20)), 16 * int(rng.integers(1, 4))
         notes = "C has rows before/after the experts and a padded row stride"

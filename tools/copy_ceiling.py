@@ -4,6 +4,8 @@ grid-stride 16-byte load/store copy, and a bulk-copy (TMA, cp.async.bulk) copy t
 shared memory. The scatter-send can only be as fast as the SM-issued copy."""
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from p3send import driver, kernels
@@ -166,26 +168,53 @@ DONE:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", action="store_true",
+                    help="copy GPU 0 -> GPU 1 over P2P, against cuMemcpyPeerAsync")
+    ap.add_argument("--rows", type=int, action="append", default=[],
+                    help="rows of 14336 B to copy (default 32768; with --peer 1024 and 32768)")
+    a = ap.parse_args()
     dev = driver.device()
+    peer = None
+    if a.peer:
+        peer = driver.device(1)
+        dev.enable_peer_access(peer)
+        peer.enable_peer_access(dev)
+        dev.activate()
+    for rows in a.rows or ([1024, 32768] if a.peer else [32768]):
+        ceiling(dev, peer, rows * 14336)
+    return 0
+
+
+def ceiling(dev, peer, nbytes: int) -> None:
     rng = np.random.default_rng(2)
-    nbytes = 32768 * 14336
     src = _random_bytes(nbytes, rng)
+    if peer is not None:
+        peer.activate()
     dst = driver.DeviceBuffer(nbytes)
+    dev.activate()
     s = driver.Stream()
     timer = Timer(s)
-    res = {"cuMemcpyDtoD": timer.run(lambda i: driver.memcpy_dtod(dst.ptr, src.ptr, nbytes, s), 40, 5)["median_us"]}
+    if peer is None:
+        ref = "cuMemcpyDtoD"
+        res = {ref: timer.run(lambda i: driver.memcpy_dtod(dst.ptr, src.ptr, nbytes, s), 40, 5)["median_us"]}
+    else:
+        ref = "cuMemcpyPeerAsync"
+        res = {ref: timer.run(lambda i: driver.memcpy_peer(dst.ptr, peer, src.ptr, dev, nbytes, s),
+                              40, 5)["median_us"]}
     k = kernels.load(COPY_PTX, device=dev, name="copy_v4.ptx")["copy_v4"]
-    for grid, block in ((dev.sm_count * 4, 512), (dev.sm_count * 2, 1024), (dev.sm_count * 8, 256)):
+    for grid, block in ((dev.sm_count * 4, 512), (dev.sm_count * 2, 1024), (dev.sm_count * 8, 256),
+                        (dev.sm_count, 1024), (dev.sm_count // 2, 1024)):
         blk = k.params_block(dst=dst, src=src, nvec=nbytes // 16)
         res[f"sm copy v4x4 {grid}x{block}"] = timer.run(lambda i: blk.launch((grid,), (block,), s), 40, 5)["median_us"]
     kb = kernels.load(BULK_PTX, device=dev, name="copy_bulk.ptx")["copy_bulk"]
-    for chunk in (8192, 16384):
+    for chunk in (4096, 8192, 16384):
         smem = 12 * chunk
         if smem > dev.smem_optin:
             continue
         driver.set_max_dynamic_smem(kb.func, smem)
         blk = kb.params_block(dst=dst, src=src, nchunks=nbytes // chunk, chunk=chunk)
-        for per_sm in (1, 2):
+        for per_sm in (1, 2, 4):
             if per_sm * smem > dev.smem_per_sm:
                 continue
             grid = dev.sm_count * per_sm
@@ -196,12 +225,18 @@ def main() -> int:
     driver.set_max_dynamic_smem(kb.func, 12 * 16384)
     blk.launch((dev.sm_count,), (32,), s, 12 * 16384)
     s.synchronize()
-    same = bool((dst.download(np.uint8, nbytes=1 << 24) == src.download(np.uint8, nbytes=1 << 24)).all())
-    base = res["cuMemcpyDtoD"]
+    check = min(nbytes, 1 << 24)
+    same = bool((dst.download(np.uint8, nbytes=check) == src.download(np.uint8, nbytes=check)).all())
+    base = res[ref]
+    where = " GPU0 -> GPU1" if peer is not None else ""
+    print(f"{nbytes} B{where}")
     for name, us in res.items():
-        print(f"{name:<34} {us:8.1f} us  {2 * nbytes / us / 1e6:5.2f} TB/s  {us / base:.3f}x")
-    print(f"bulk copy result correct (first 16 MiB): {same}")
-    return 0
+        print(f"{name:<34} {us:8.1f} us  {nbytes / us / 1e3:7.1f} GB/s  {us / base:.3f}x  "
+              f"({base / us:.3f} of {ref} bandwidth)")
+    print(f"bulk copy result correct (first {check >> 20} MiB): {same}")
+    for b in (src, dst):
+        b.free()
+    s.close()
 
 
 if __name__ == "__main__":

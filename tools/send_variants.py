@@ -31,10 +31,13 @@ def variants():
     v["512thr x 2/SM"] = (BASE, {"threads": 512, "grid_mult": 2})
     v["256thr x 4/SM"] = (BASE, {"threads": 256, "grid_mult": 4})
     v["half the SMs"] = (BASE, {"grid_div": 2})
-    v["gpu-scope fences"] = (re.sub(r"(fence\.acq_rel|st\.release)\.sys", r"\1.gpu", BASE), {"local_only": True})
-    # A shared expert's warps order their stores with a .gpu fence before the done[e] RMW;
-    # the last arriver's st.release.sys still publishes (causality order is transitive).
-    v["gpu fence, sys publish"] = (BASE.replace("@%q2 fence.acq_rel.sys;", "@%q2 fence.acq_rel.gpu;"), {})
+    v["gpu-scope fences"] = (re.sub(r"(fence\.acq_rel|st\.release|st\.relaxed)\.sys", r"\1.gpu", BASE),
+                             {"local_only": True})
+    # every warp flushes each expert itself (fence per warp) instead of the CTA-level flush
+    warp_flush = BASE.replace("    @%q0 bra            WARP_FLUSH;\n", "    bra.uni             WARP_FLUSH;\n")
+    v["warp flush"] = (warp_flush, {})
+    v["gpu-scope fences, warp flush"] = (re.sub(r"(fence\.acq_rel|st\.release|st\.relaxed)\.sys", r"\1.gpu",
+                                                warp_flush), {"local_only": True})
     return v
 
 
@@ -103,38 +106,6 @@ def row_blocks(expert: str) -> str:
 """
 
 
-def epilogue_contiguous(text: str) -> str:
-    """p3_epilogue_send with each CTA taking one contiguous range of tiles (so one CTA sends
-    a row block's column tiles one after another) instead of tiles round-robin."""
-    def sub(old, new):
-        nonlocal text
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    sub("    .reg .b32   %buf, %nvt,", "    .reg .b32   %tend;\n    .reg .b32   %buf, %nvt,")
-    sub("    mov.u32             %tile, %ctaid.x;\n", f"""    mov.u32             %t5, 0;
-    mov.u32             %e, 0;
-TCOUNT:
-    setp.ge.u32         %q0, %e, %nexp;
-    @%q0 bra            TCOUNTED;
-{row_blocks("%e")}    mad.lo.u32          %t5, %t3, %nblk, %t5;
-    add.u32             %e, %e, 1;
-    bra.uni             TCOUNT;
-TCOUNTED:
-    mov.u32             %t1, %nctaid.x;
-    add.u32             %t6, %t5, %t1;
-    sub.u32             %t6, %t6, 1;
-    div.u32             %t6, %t6, %t1;
-    mov.u32             %t2, %ctaid.x;
-    mul.lo.u32          %tile, %t2, %t6;
-    add.u32             %tend, %tile, %t6;
-    min.u32             %tend, %tend, %t5;
-""")
-    sub("TILE:\n", "TILE:\n    setp.ge.u32         %q0, %tile, %tend;\n    @%q0 bra            EPI_DONE;\n")
-    sub("    mov.u32             %t1, %nctaid.x;\n    add.u32             %tile, %tile, %t1;\n    bra.uni             TILE;",
-        "    add.u32             %tile, %tile, 1;\n    bra.uni             TILE;")
-    return text
-
-
 def prefetch_rows(label: str, row: str, end: str, col: str, nbytes: str) -> str:
     """PTX: lanes bulk-prefetch into L2 the fp32 pieces (column col, nbytes bytes) of rows
     row, row+32, ... below end."""
@@ -174,8 +145,7 @@ def epilogue_prefetch_next(text: str) -> str:
     anchor = "    shr.u32             %nvt, %ncol_t, 3;           // 16-byte bf16 vectors per tile row\n"
     block = f"""    setp.ne.u32         %q0, %warp, 0;
     @%q0 bra            PFN_DONE;
-    mov.u32             %t5, %nctaid.x;
-    add.u32             %t5, %tile, %t5;
+    add.u32             %t5, %tile, 1;
     mov.u32             %t6, %e;
     mov.u32             %t7, %tbase;
 PFN_SEARCH:
@@ -217,9 +187,6 @@ def epilogue_variants():
                                                "    rem.u32             %t6, %t4, %nblk;",
                                                "rem.u32             %t5, %t4, %t3;\n"
                                                "    div.u32             %t6, %t4, %t3;"), ROWS),
-            "tiles CTA-contiguous": (epilogue_contiguous(EPI), ROWS),
-            "contiguous + 16 items, incremental": (epilogue_contiguous(epilogue_items(EPI, 16, True)), ROWS),
-            "contiguous + 12 items, incremental": (epilogue_contiguous(epilogue_items(EPI, 12, True)), ROWS),
             "diagnostic: no fp32 loads (constants converted)": (re.sub(
                 r"@%ld\d+ ld\.global\.nc\.v4\.f32 \{(%f\d+), (%f\d+), (%f\d+), (%f\d+)\}, \[[^\]]+\];",
                 lambda m: " ".join(f"mov.f32 {r}, 0f3F800000;" for r in m.groups()), EPI), ROWS),
@@ -280,6 +247,21 @@ def run_epilogue(a, dev) -> None:
                                         rows_in_acc=rows, row_cache=True, p3_control=-1)
                 t = timer.run(lambda i: fused.launch(s, off_blk), a.iters, 5)
                 print(f"{'':21}{'diagnostic: p3_control < 0 (nothing sent)':<24} {t['median_us']:8.1f} us")
+                nc_blk = fused.prepare(cfg, acc, hidden, offs, expert_offsets_host=off, count_ptrs=counts,
+                                       rows_in_acc=rows, row_cache=False)
+                t = timer.run(lambda i: fused.launch(s, nc_blk), a.iters, 5)
+                print(f"{'':21}{'no row cache (no zeroing, every tile resolves)':<24} {t['median_us']:8.1f} us")
+                for cache_on in (True, False):
+                    g_blk = fused.prepare(cfg, acc, hidden, offs, expert_offsets_host=off, count_ptrs=counts,
+                                          rows_in_acc=rows, row_cache=cache_on, same_gpu=True)
+
+                    def run_g(i, blk=g_blk, cache_on=cache_on):
+                        if cache_on:
+                            cache.fill(0, s)
+                        fused.launch(s, blk)
+                    t = timer.run(run_g, a.iters, 5)
+                    label = f"same_gpu (.gpu scope), row cache {'on' if cache_on else 'off'}"
+                    print(f"{'':21}{label:<24} {t['median_us']:8.1f} us")
             fused.close()
     for b in recvs + counts + [rtab, srcb, offs, cache]:
         b.free()
@@ -392,7 +374,7 @@ def main() -> int:
     orig = kernels.kernel
     recv_dev = driver.device(1) if a.peer else dev
     offset = bench._clock_offset(dev, recv_dev)["offset_ns"] if a.peer else 0.0
-    for name in ("baseline", "gpu fence, sys publish") + (() if a.peer else ("gpu-scope fences",)):
+    for name in ("baseline",) + (() if a.peer else ("gpu-scope fences",)):
         k = kernels.load(variants()[name][0], device=dev, name=f"variant {name}")["p3_scatter_send"]
         kernels.kernel = lambda entry, device=None, k=k: k if entry == "p3_scatter_send" else orig(entry, device)
         try:

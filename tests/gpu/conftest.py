@@ -62,7 +62,7 @@ class SendRun:
 
 def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=False, p3_control=0,
              disabled=False, src_info=None, cache_init=None, num_sms=None, stream=None, c_obj=None,
-             epilogue: dict | None = None, sender_factory=None) -> SendRun:
+             epilogue: dict | None = None, sender_factory=None, same_gpu=False) -> SendRun:
     """Run ``case`` through p3_scatter_send once and return GPU bytes and oracle bytes.
 
     ``src_info`` replaces the case's src_info on the device only (the oracle keeps the
@@ -71,7 +71,8 @@ def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=Fal
     ``epilogue`` runs p3_epilogue_send (EpilogueSend options) on ``case.acc`` instead;
     ``sender_factory(case)`` supplies any other sender: callable as
     ``sender(cfg, c, case, stream=, count_ptrs=, row_cache=, p3_control=)``, with ``grid``,
-    ``state``, ``diagnostics()`` and ``close()`` like the launchers."""
+    ``state``, ``diagnostics()`` and ``close()`` like the launchers. ``same_gpu`` signals at
+    .gpu scope (every receiver of these tests is on this GPU)."""
     n_peers = case.p2p_world_size
     rbytes = case.max_tokens_per_rank * case.top_k * case.msg_bytes
     n_slots = case.n_experts * case.n_ranks
@@ -119,9 +120,9 @@ def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=Fal
         if sender_factory is not None:
             sender(cfg, c, case, **common)
         elif epilogue is None:
-            sender(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride, **common)
+            sender(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride, same_gpu=same_gpu, **common)
         else:
-            sender(cfg, acc, case.msg_bytes // 2, case.expert_offsets.astype(np.int32), **common)
+            sender(cfg, acc, case.msg_bytes // 2, case.expert_offsets.astype(np.int32), same_gpu=same_gpu, **common)
         driver.device().synchronize()
         got_recv = [b.download() for b in recv]
         got_counts = [b.download(np.uint64) for b in counts]

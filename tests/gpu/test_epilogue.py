@@ -32,6 +32,17 @@ def test_every_family(dev, family):
                                epilogue=dict(bm=32, bn=128, num_stages=4, send_warps=2, epilogue_warps=4)))
 
 
+@pytest.mark.parametrize("grid", [None, 3])
+def test_benchmark_geometries(dev, grid):
+    """The geometries the benchmark times, with the launcher's grid and with a few CTAs
+    (each then takes a long contiguous range of tiles), both signal scopes."""
+    from p3send.bench import EPILOGUE_GEOMETRIES
+    for i, g in enumerate(EPILOGUE_GEOMETRIES):
+        case = epilogue_case("random" if i % 2 else "many_experts", fresh_seed(f"bench geometry {i}"))
+        assert_send_exact(run_send(dev, case, row_cache=bool(i % 3 == 0), same_gpu=bool(i % 2),
+                                   epilogue=dict(g, grid=grid) if grid else g))
+
+
 def test_one_cta_many_tiles(dev):
     """One CTA walks every tile: the last drain of each tile is collected in the next."""
     case = epilogue_case("skewed", fresh_seed("one-cta"))
