@@ -373,8 +373,8 @@ def bench_epilogue(a, dev, rng, torch, out: dict) -> None:
 
 #: Geometries of p3_epilogue_send measured side by side (the first is EpilogueSend's default).
 EPILOGUE_GEOMETRIES = (
-    dict(bm=32, bn=1024, num_stages=2, send_warps=2, epilogue_warps=2),
     dict(bm=16, bn=1024, num_stages=2, send_warps=1, epilogue_warps=2),
+    dict(bm=32, bn=1024, num_stages=2, send_warps=2, epilogue_warps=2),
     dict(bm=16, bn=1024, num_stages=2, send_warps=2, epilogue_warps=2),
     dict(bm=8, bn=1024, num_stages=2, send_warps=1, epilogue_warps=1),
     dict(bm=16, bn=512, num_stages=2, send_warps=1, epilogue_warps=1),

@@ -394,8 +394,8 @@ class EpilogueSend(_Sender):
     stages -> peers, by ``send_warps`` dedicated send warps fed through the mailbox (0:
     the epilogue warps send inline). Owns the sender state, diagnostics and P3SendCtx."""
 
-    def __init__(self, n_experts: int, *, device: driver.Device | None = None, bm: int = 32, bn: int = 1024,
-                 num_stages: int = 2, send_warps: int = 2, epilogue_warps: int = 2, grid: int | None = None):
+    def __init__(self, n_experts: int, *, device: driver.Device | None = None, bm: int = 16, bn: int = 1024,
+                 num_stages: int = 2, send_warps: int = 1, epilogue_warps: int = 2, grid: int | None = None):
         problems = []
         if n_experts < 1:
             problems.append(f"n_experts: expected >= 1, got {n_experts}")

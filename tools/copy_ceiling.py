@@ -69,6 +69,49 @@ DONE:
 }
 """
 
+# The same copy with the scatter-send's work split: CTA c copies the contiguous window
+# [c*n/G, (c+1)*n/G) of vectors, its threads striding through it.
+WINDOW_PTX = r"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry copy_v4_window(.param .u64 dst, .param .u64 src, .param .u64 nvec)
+{
+    .reg .pred %p;
+    .reg .b32 %r<8>;
+    .reg .b32 %a<4>;
+    .reg .b64 %rd<16>;
+    ld.param.u64 %rd1, [dst];
+    ld.param.u64 %rd2, [src];
+    ld.param.u64 %rd3, [nvec];
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %nctaid.x;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %ntid.x;
+    cvt.u64.u32 %rd4, %r1;
+    cvt.u64.u32 %rd5, %r2;
+    mul.lo.u64 %rd6, %rd3, %rd4;
+    div.u64 %rd6, %rd6, %rd5;              // window start
+    add.s64 %rd7, %rd4, 1;
+    mul.lo.u64 %rd7, %rd3, %rd7;
+    div.u64 %rd7, %rd7, %rd5;              // window end
+    cvt.u64.u32 %rd8, %r3;
+    add.s64 %rd6, %rd6, %rd8;
+    cvt.u64.u32 %rd9, %r4;
+LOOP:
+    setp.ge.u64 %p, %rd6, %rd7;
+    @%p bra DONE;
+    mad.lo.u64 %rd10, %rd6, 16, %rd2;
+    ld.global.nc.v4.u32 {%a0, %a1, %a2, %a3}, [%rd10];
+    mad.lo.u64 %rd10, %rd6, 16, %rd1;
+    st.global.v4.u32 [%rd10], {%a0, %a1, %a2, %a3};
+    add.s64 %rd6, %rd6, %rd9;
+    bra.uni LOOP;
+DONE:
+    ret;
+}
+"""
+
 # One thread per CTA drives a ring of S stages of CH bytes: loads run L chunks ahead of
 # the stores; a stage is reloaded only after the store that read it has finished reading.
 BULK_PTX = r"""
@@ -207,6 +250,11 @@ def ceiling(dev, peer, nbytes: int) -> None:
                         (dev.sm_count, 1024), (dev.sm_count // 2, 1024)):
         blk = k.params_block(dst=dst, src=src, nvec=nbytes // 16)
         res[f"sm copy v4x4 {grid}x{block}"] = timer.run(lambda i: blk.launch((grid,), (block,), s), 40, 5)["median_us"]
+    kw = kernels.load(WINDOW_PTX, device=dev, name="copy_v4_window.ptx")["copy_v4_window"]
+    for grid, block in ((dev.sm_count, 1024), (dev.sm_count * 2, 512)):
+        blk = kw.params_block(dst=dst, src=src, nvec=nbytes // 16)
+        res[f"sm copy, CTA windows {grid}x{block}"] = timer.run(lambda i: blk.launch((grid,), (block,), s),
+                                                               40, 5)["median_us"]
     kb = kernels.load(BULK_PTX, device=dev, name="copy_bulk.ptx")["copy_bulk"]
     for chunk in (4096, 8192, 16384):
         smem = 12 * chunk

@@ -38,6 +38,44 @@ def variants():
     v["warp flush"] = (warp_flush, {})
     v["gpu-scope fences, warp flush"] = (re.sub(r"(fence\.acq_rel|st\.release|st\.relaxed)\.sys", r"\1.gpu",
                                                 warp_flush), {"local_only": True})
+    # chunks dealt round-robin over all CTAs (chunk J to CTA J mod G) instead of one
+    # contiguous window per CTA
+    inter = BASE
+    for a, b in (("""    mul.lo.u64          %u5, %u2, %u4;
+    div.u64             %u5, %u5, %u3;              // c*V/G
+    add.s64             %u4, %u4, 1;
+    mul.lo.u64          %vend, %u2, %u4;
+    div.u64             %vend, %vend, %u3;          // (c+1)*V/G
+""", """    mov.b64             %u5, 0;
+    mov.b64             %vend, %u2;
+"""), ("""    shr.u32             %j, %thr, 5;                // this warp's first chunk
+    shr.u32             %jstep, %nthr, 5;           // then every (warps per CTA)-th
+""", """    shr.u32             %j, %thr, 5;
+    mov.u32             %t1, %nctaid.x;
+    mov.u32             %t2, %ctaid.x;
+    mad.lo.u32          %j, %j, %t1, %t2;
+    shr.u32             %jstep, %nthr, 5;
+    mul.lo.u32          %jstep, %jstep, %t1;
+""")):
+        assert inter.count(a) == 1, a
+        inter = inter.replace(a, b)
+    v["chunks over CTAs"] = (inter, {})
+    v["chunks over CTAs, no signal"] = (inter, {"signal": False})
+    # diagnostic for --peer (identity routing there): no resolve, row r goes to slot r of peer 1
+    ident = """RESOLVE:
+    setp.eq.u32         %head, %vb, 0;
+    ld.shared.u64       %base, [s_peer_buf+8];
+    cvt.s64.s32         %u0, %row;
+    ld.param.s64        %u2, [cfg+112];
+    mad.lo.s64          %base, %u0, %u2, %base;
+    mov.u32             %peer, 1;
+    setp.eq.u32         %ok, 0, 0;
+    bra.uni             RESOLVED;
+"""
+    old_resolve = "RESOLVE:\n    setp.eq.u32         %head, %vb, 0;\n"
+    v["diagnostic: no resolve"] = (BASE.replace(old_resolve, ident), {"peer_only": True})
+    v["diagnostic: no resolve, over CTAs, no signal"] = (inter.replace(old_resolve, ident),
+                                                        {"peer_only": True, "signal": False})
     return v
 
 
@@ -174,6 +212,23 @@ PFN_FOUND:
     return text.replace(anchor, anchor + block)
 
 
+def epilogue_round_robin(text: str) -> str:
+    """p3_epilogue_send with tile t going to CTA t mod G (the order before the contiguous
+    tile ranges)."""
+    for a, b in (("""    mul.lo.u32          %tile, %t2, %t6;
+    add.u32             %tend, %tile, %t6;
+    min.u32             %tend, %tend, %t5;
+""", """    mov.u32             %tile, %t2;
+    mov.u32             %tend, %t5;
+"""), ("""    add.u32             %tile, %tile, 1;
+    bra.uni             TILE;""", """    mov.u32             %t1, %nctaid.x;
+    add.u32             %tile, %tile, %t1;
+    bra.uni             TILE;""")):
+        assert text.count(a) == 1, a
+        text = text.replace(a, b)
+    return text
+
+
 def epilogue_variants():
     ld_l2 = EPI.replace("ld.global.nc.v4.f32", "ld.global.nc.L2::256B.v4.f32")
     st_cs = ROWS.replace("st.global.v4.u32    [%u1], {%d0", "st.global.cs.v4.u32 [%u1], {%d0")
@@ -183,6 +238,7 @@ def epilogue_variants():
             "8 items, incremental index": (epilogue_items(EPI, 8, True), ROWS),
             "12 items, incremental index": (epilogue_items(EPI, 12, True), ROWS),
             "16 items, incremental index": (epilogue_items(EPI, 16, True), ROWS),
+            "tiles round-robin over CTAs": (epilogue_round_robin(EPI), ROWS),
             "tiles column-major": (EPI.replace("div.u32             %t5, %t4, %nblk;            // row block\n"
                                                "    rem.u32             %t6, %t4, %nblk;",
                                                "rem.u32             %t5, %t4, %t3;\n"
@@ -217,11 +273,11 @@ def run_epilogue(a, dev) -> None:
     s = driver.Stream()
     timer = Timer(s)
     z = timer.run(lambda i: cache.fill(0, s), a.iters, 5)["median_us"]
-    print(f"epilogue variants, {rows} rows x {hidden} fp32; row-cache zeroing alone {z:.1f} us (inside every time below)")
-    best = dict(bm=16, bn=1024, num_stages=2, send_warps=1, epilogue_warps=1)
-    assert best in EPILOGUE_GEOMETRIES
+    print(f"epilogue variants, {rows} rows x {hidden} fp32, as the benchmark: no row cache, .gpu-scope "
+          f"signal; row-cache zeroing alone {z:.1f} us")
     geos = [dict(zip(("bm", "bn", "num_stages", "send_warps", "epilogue_warps"), map(int, g.split(","))))
-            for g in a.geometry] or [best, EPILOGUE_GEOMETRIES[0]]
+            for g in a.geometry] or list(EPILOGUE_GEOMETRIES[:2])
+    kw = dict(expert_offsets_host=off, count_ptrs=counts, rows_in_acc=rows)
     for geo in geos:
         for name, (epi, rws) in epilogue_variants().items():
             if a.variant and name != "baseline" and not any(v in name for v in a.variant):
@@ -232,36 +288,27 @@ def run_epilogue(a, dev) -> None:
             driver.set_max_dynamic_smem(fused.k.func, fused.smem)
             fused.grid = max(1, driver.occupancy(fused.k.func, fused.threads, fused.smem)) * dev.sm_count
             fused.block = fused.k.params_block()
-            blk = fused.prepare(cfg, acc, hidden, offs, expert_offsets_host=off, count_ptrs=counts,
-                                rows_in_acc=rows, row_cache=True)
-
-            def run(i, fused=fused, blk=blk):
-                cache.fill(0, s)
-                fused.launch(s, blk)
-            t = timer.run(run, a.iters, 5)
+            blk = fused.prepare(cfg, acc, hidden, offs, same_gpu=True, **kw)
+            t = timer.run(lambda i, fused=fused, blk=blk: fused.launch(s, blk), a.iters, 5)
             print("bm{bm} bn{bn} S{num_stages} N{send_warps} E{epilogue_warps}".format(**geo),
                   f"{name:<24} {t['median_us']:8.1f} us (min {t['min_us']:.1f}, regs {fused.k.num_regs}, "
                   f"grid {fused.grid})")
-            if name == "baseline":      # diagnostic: loads, converts and handshakes, nothing sent
-                off_blk = fused.prepare(cfg, acc, hidden, offs, expert_offsets_host=off, count_ptrs=counts,
-                                        rows_in_acc=rows, row_cache=True, p3_control=-1)
-                t = timer.run(lambda i: fused.launch(s, off_blk), a.iters, 5)
-                print(f"{'':21}{'diagnostic: p3_control < 0 (nothing sent)':<24} {t['median_us']:8.1f} us")
-                nc_blk = fused.prepare(cfg, acc, hidden, offs, expert_offsets_host=off, count_ptrs=counts,
-                                       rows_in_acc=rows, row_cache=False)
-                t = timer.run(lambda i: fused.launch(s, nc_blk), a.iters, 5)
-                print(f"{'':21}{'no row cache (no zeroing, every tile resolves)':<24} {t['median_us']:8.1f} us")
-                for cache_on in (True, False):
-                    g_blk = fused.prepare(cfg, acc, hidden, offs, expert_offsets_host=off, count_ptrs=counts,
-                                          rows_in_acc=rows, row_cache=cache_on, same_gpu=True)
+            if name != "baseline":
+                fused.close()
+                continue
+            diagnostics = (("p3_control < 0 (loads, converts, handshakes; nothing sent)",
+                            dict(same_gpu=True, p3_control=-1), False),
+                           (".sys-scope signal", {}, False),
+                           ("row cache on (zeroed before every launch)", dict(same_gpu=True, row_cache=True), True))
+            for label, opts, zero in diagnostics:
+                d_blk = fused.prepare(cfg, acc, hidden, offs, **opts, **kw)
 
-                    def run_g(i, blk=g_blk, cache_on=cache_on):
-                        if cache_on:
-                            cache.fill(0, s)
-                        fused.launch(s, blk)
-                    t = timer.run(run_g, a.iters, 5)
-                    label = f"same_gpu (.gpu scope), row cache {'on' if cache_on else 'off'}"
-                    print(f"{'':21}{label:<24} {t['median_us']:8.1f} us")
+                def run(i, blk=d_blk, zero=zero, fused=fused):
+                    if zero:
+                        cache.fill(0, s)
+                    fused.launch(s, blk)
+                t = timer.run(run, a.iters, 5)
+                print(f"{'':21}diagnostic: {label:<24} {t['median_us']:8.1f} us")
             fused.close()
     for b in recvs + counts + [rtab, srcb, offs, cache]:
         b.free()
@@ -300,7 +347,7 @@ def main() -> int:
     ap.add_argument("--decode", action="store_true", help="one-GPU decode round: SM shares")
     ap.add_argument("--variant", action="append", default=[], help="with --epilogue: only variants naming this")
     ap.add_argument("--geometry", action="append", default=[], metavar="BM,BN,S,N,E",
-                    help="with --epilogue: geometries to time (default: the best and the default one)")
+                    help="with --epilogue: geometries to time (default: the first two of the benchmark's)")
     a = ap.parse_args()
     dev = driver.device()
     if a.epilogue:
@@ -355,7 +402,7 @@ def main() -> int:
         ref = timer.run(lambda i: driver.memcpy_dtod(dst.ptr, c.ptr, rows * msg, s), a.iters, 5)["median_us"]
     print(f"{rows} rows x {msg} B{' GPU0 -> GPU1' if a.peer else ''}: {ref_name} {ref:.1f} us")
     for name, (text, opt) in variants().items():
-        if a.peer and opt.get("local_only"):
+        if (a.peer and opt.get("local_only")) or (not a.peer and opt.get("peer_only")):
             continue
         threads = opt.get("threads", 1024)
         sender = ScatterSend(experts, device=dev, threads=threads)
