@@ -118,6 +118,36 @@ DONE:
 # already in flight; then the grid-stride copy stores vector v to table[v / nv] + 16*(v % nv);
 # at the end, bar.sync, one .sys fence and one atomic per CTA, and the last CTA stores a flag
 # with st.release.sys (the signal's shape).
+def _per_vector(ptx: str, first: str, then: str) -> str:
+    """The round's four vectors (v + j*S, j < 4; data in %a4j..%a4j+3): the line first (j = 0)
+    or then (j > 0), followed by ptx.format(j=, a=)."""
+    return "".join((then if j else first) + ptx.format(j=j, a=", ".join(f"%a{4 * j + i}" for i in range(4)))
+                   for j in range(4))
+
+
+# guards %q0..%q3 (vector %rd4 + j*S exists) and the first load address
+_TABLE_GUARDS = """    mad.lo.u64 %rd7, %rd5, 3, %rd4;
+    setp.lt.u64 %q0, %rd4, %rd3;
+    add.s64 %rd10, %rd4, %rd5;
+    setp.lt.u64 %q1, %rd10, %rd3;
+    add.s64 %rd11, %rd10, %rd5;
+    setp.lt.u64 %q2, %rd11, %rd3;
+    setp.lt.u64 %q3, %rd7, %rd3;
+    mad.lo.u64 %rd8, %rd4, 16, %rd2;
+"""
+# the loads (%rd9 = 16*S)
+_TABLE_LOADS = _per_vector("    @%q{j} ld.global.nc.v4.u32 {{{a}}}, [%rd8];\n", "", "    add.s64 %rd8, %rd8, %rd9;\n")
+# vector j goes to table[v / nv] + 16*(v % nv)
+_TABLE_STORES = _per_vector("""    div.u64 %rd17, %rd16, %rd15;
+    mul.lo.u64 %rd18, %rd17, %rd15;
+    sub.s64 %rd18, %rd16, %rd18;
+    cvt.u32.u64 %r7, %rd17;
+    mov.u32 %r8, s_tab;
+    mad.lo.u32 %r8, %r7, 8, %r8;
+    @%q{j} ld.shared.u64 %rd19, [%r8];
+    mad.lo.u64 %rd19, %rd18, 16, %rd19;
+    @%q{j} st.global.v4.u32 [%rd19], {{{a}}};
+""", "    mov.b64 %rd16, %rd4;\n", "    add.s64 %rd16, %rd16, %rd5;\n")
 TABLE_PTX = r"""
 .version 8.0
 .target sm_90
@@ -143,23 +173,7 @@ TABLE_PTX = r"""
     cvt.u64.u32 %rd4, %r5;                 // v
     mul.wide.u32 %rd5, %r4, %r2;           // stride S
     // first four vectors' loads in flight before the table
-    mad.lo.u64 %rd7, %rd5, 3, %rd4;
-    setp.lt.u64 %q0, %rd4, %rd3;
-    add.s64 %rd10, %rd4, %rd5;
-    setp.lt.u64 %q1, %rd10, %rd3;
-    add.s64 %rd11, %rd10, %rd5;
-    setp.lt.u64 %q2, %rd11, %rd3;
-    setp.lt.u64 %q3, %rd7, %rd3;
-    mad.lo.u64 %rd8, %rd4, 16, %rd2;
-    shl.b64 %rd9, %rd5, 4;
-    @%q0 ld.global.nc.v4.u32 {%a0, %a1, %a2, %a3}, [%rd8];
-    add.s64 %rd8, %rd8, %rd9;
-    @%q1 ld.global.nc.v4.u32 {%a4, %a5, %a6, %a7}, [%rd8];
-    add.s64 %rd8, %rd8, %rd9;
-    @%q2 ld.global.nc.v4.u32 {%a8, %a9, %a10, %a11}, [%rd8];
-    add.s64 %rd8, %rd8, %rd9;
-    @%q3 ld.global.nc.v4.u32 {%a12, %a13, %a14, %a15}, [%rd8];
-    // the table
+""" + _TABLE_GUARDS + "    shl.b64 %rd9, %rd5, 4;\n" + _TABLE_LOADS + r"""    // the table
     mov.u32 %r6, %r3;
 TAB:
     setp.ge.u32 %p, %r6, %r11;
@@ -179,65 +193,10 @@ LOOP:
     setp.ge.u64 %p, %rd4, %rd3;
     @%p bra END;
     // store the four vectors held in registers
-    mov.b64 %rd16, %rd4;
-    div.u64 %rd17, %rd16, %rd15;
-    mul.lo.u64 %rd18, %rd17, %rd15;
-    sub.s64 %rd18, %rd16, %rd18;
-    cvt.u32.u64 %r7, %rd17;
-    mov.u32 %r8, s_tab;
-    mad.lo.u32 %r8, %r7, 8, %r8;
-    @%q0 ld.shared.u64 %rd19, [%r8];
-    mad.lo.u64 %rd19, %rd18, 16, %rd19;
-    @%q0 st.global.v4.u32 [%rd19], {%a0, %a1, %a2, %a3};
-    add.s64 %rd16, %rd16, %rd5;
-    div.u64 %rd17, %rd16, %rd15;
-    mul.lo.u64 %rd18, %rd17, %rd15;
-    sub.s64 %rd18, %rd16, %rd18;
-    cvt.u32.u64 %r7, %rd17;
-    mov.u32 %r8, s_tab;
-    mad.lo.u32 %r8, %r7, 8, %r8;
-    @%q1 ld.shared.u64 %rd19, [%r8];
-    mad.lo.u64 %rd19, %rd18, 16, %rd19;
-    @%q1 st.global.v4.u32 [%rd19], {%a4, %a5, %a6, %a7};
-    add.s64 %rd16, %rd16, %rd5;
-    div.u64 %rd17, %rd16, %rd15;
-    mul.lo.u64 %rd18, %rd17, %rd15;
-    sub.s64 %rd18, %rd16, %rd18;
-    cvt.u32.u64 %r7, %rd17;
-    mov.u32 %r8, s_tab;
-    mad.lo.u32 %r8, %r7, 8, %r8;
-    @%q2 ld.shared.u64 %rd19, [%r8];
-    mad.lo.u64 %rd19, %rd18, 16, %rd19;
-    @%q2 st.global.v4.u32 [%rd19], {%a8, %a9, %a10, %a11};
-    add.s64 %rd16, %rd16, %rd5;
-    div.u64 %rd17, %rd16, %rd15;
-    mul.lo.u64 %rd18, %rd17, %rd15;
-    sub.s64 %rd18, %rd16, %rd18;
-    cvt.u32.u64 %r7, %rd17;
-    mov.u32 %r8, s_tab;
-    mad.lo.u32 %r8, %r7, 8, %r8;
-    @%q3 ld.shared.u64 %rd19, [%r8];
-    mad.lo.u64 %rd19, %rd18, 16, %rd19;
-    @%q3 st.global.v4.u32 [%rd19], {%a12, %a13, %a14, %a15};
-    // next four: load
+""" + _TABLE_STORES + r"""    // next four: load
     shl.b64 %rd6, %rd5, 2;
     add.s64 %rd4, %rd4, %rd6;
-    mad.lo.u64 %rd7, %rd5, 3, %rd4;
-    setp.lt.u64 %q0, %rd4, %rd3;
-    add.s64 %rd10, %rd4, %rd5;
-    setp.lt.u64 %q1, %rd10, %rd3;
-    add.s64 %rd11, %rd10, %rd5;
-    setp.lt.u64 %q2, %rd11, %rd3;
-    setp.lt.u64 %q3, %rd7, %rd3;
-    mad.lo.u64 %rd8, %rd4, 16, %rd2;
-    @%q0 ld.global.nc.v4.u32 {%a0, %a1, %a2, %a3}, [%rd8];
-    add.s64 %rd8, %rd8, %rd9;
-    @%q1 ld.global.nc.v4.u32 {%a4, %a5, %a6, %a7}, [%rd8];
-    add.s64 %rd8, %rd8, %rd9;
-    @%q2 ld.global.nc.v4.u32 {%a8, %a9, %a10, %a11}, [%rd8];
-    add.s64 %rd8, %rd8, %rd9;
-    @%q3 ld.global.nc.v4.u32 {%a12, %a13, %a14, %a15}, [%rd8];
-    bra.uni LOOP;
+""" + _TABLE_GUARDS + _TABLE_LOADS + r"""    bra.uni LOOP;
 END:
     ld.param.u64 %rd20, [counter];
     setp.eq.u64 %p, %rd20, 0;
