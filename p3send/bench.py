@@ -467,36 +467,65 @@ def bench_two_gpus(a, rng, torch, out: dict) -> None:
                    lambda i: driver.memcpy_peer(side[1]["recv"].ptr, d1, side[0]["c"].ptr, d0, nbytes, s0),
                    a.iters, a.warmup)}
 
-        def both(send: bool):
+        def both(send: bool, legs: list):
+            # legs[i]: events around each GPU's own op (GPU0's pair, GPU1's pair), made beforehand
             def run(i):
+                leg = legs[i]
                 fork.record(s0)           # GPU1's half starts with GPU0's, GPU0 waits for it
                 d1.activate()
                 s1.wait(fork)
+                leg[2].record(s1)
                 if send:
                     side[1]["sender"].launch(s1)
                 else:
                     driver.memcpy_peer(side[0]["recv"].ptr, d0, side[1]["c"].ptr, d1, nbytes, s1)
+                leg[3].record(s1)
                 join.record(s1)
                 d0.activate()
+                leg[0].record(s0)
                 if send:
                     side[0]["sender"].launch(s0)
                 else:
                     driver.memcpy_peer(side[1]["recv"].ptr, d1, side[0]["c"].ptr, d0, nbytes, s0)
+                leg[1].record(s0)
                 s0.wait(join)
             return run
+
+        def legs_of(n: int) -> list:
+            out = [[None] * 4 for _ in range(n)]
+            for dev, k in ((d0, 0), (d1, 2)):
+                dev.activate()
+                for leg in out:
+                    leg[k], leg[k + 1] = driver.Event(), driver.Event()
+            d0.activate()
+            return out
+
+        def own_times(legs: list) -> dict:
+            # each direction's own op time while the other runs (events on its own GPU)
+            us = [[1000.0 * leg[k].elapsed_ms(leg[k + 1]) for leg in legs] for k in (0, 2)]
+            for leg in legs:
+                for e in leg:
+                    e.close()
+            t0, t1 = statistics.median(us[0]), statistics.median(us[1])
+            return {"0->1_us": t0, "1->0_us": t1, "GBps": nbytes / (t0 * 1e-6) / 1e9 + nbytes / (t1 * 1e-6) / 1e9}
         d0.activate()
         fork = driver.Event(timing=False)
         d1.activate()
         join = driver.Event(timing=False)
         d0.activate()
-        one["p3_scatter_send both ways"] = timer.run(both(True), a.iters, a.warmup)
-        one["cuMemcpyPeerAsync both ways"] = timer.run(both(False), a.iters, a.warmup)
+        n = max(a.iters, a.warmup)
+        legs = {True: legs_of(n), False: legs_of(n)}
+        one["p3_scatter_send both ways"] = timer.run(both(True, legs[True]), a.iters, a.warmup)
+        one["cuMemcpyPeerAsync both ways"] = timer.run(both(False, legs[False]), a.iters, a.warmup)
+        own = {"send": own_times(legs[True]), "copy": own_times(legs[False])}
         for k, v in one.items():
             moved = nbytes * (2 if "both" in k else 1)
             v["GBps"] = moved / (v["median_us"] * 1e-6) / 1e9
         one["send_over_peer_copy_bw"] = one["p3_scatter_send 0->1"]["GBps"] / one["cuMemcpyPeerAsync 0->1"]["GBps"]
         one["both_send_over_peer_copy_bw"] = (one["p3_scatter_send both ways"]["GBps"]
                                               / one["cuMemcpyPeerAsync both ways"]["GBps"])
+        one["both ways, own op times"] = own
+        one["both_own_send_over_peer_copy_bw"] = own["send"]["GBps"] / own["copy"]["GBps"]
         res[label] = {"rows": rows, "bytes": nbytes, **one}
         for sd in side:
             sd["dev"].activate()
@@ -579,6 +608,12 @@ def table(out: dict) -> str:
                     L.append(f"     {k:<30} {r[k]['median_us']:9.1f} us  {r[k]['GBps']:7.1f} GB/s")
                 L.append(f"     send / peer copy bandwidth   {r['send_over_peer_copy_bw']:.3f} one way, "
                          f"{r['both_send_over_peer_copy_bw']:.3f} both ways (target >= 0.85)")
+                if "both ways, own op times" in r:
+                    o = r["both ways, own op times"]
+                    L.append(f"     diagnostic, both ways, each GPU's own op (its events): send "
+                             f"{o['send']['0->1_us']:.1f} / {o['send']['1->0_us']:.1f} us, copy "
+                             f"{o['copy']['0->1_us']:.1f} / {o['copy']['1->0_us']:.1f} us -> "
+                             f"{r['both_own_send_over_peer_copy_bw']:.3f}")
             c = t["clock"]
             if "flag_one_way_us" in c:
                 L.append(f"   flag one way (p3_pingpong) {c['flag_one_way_us']:.2f} us; GPU1-GPU0 clock offset "

@@ -76,6 +76,11 @@ def variants():
     v["diagnostic: no resolve"] = (BASE.replace(old_resolve, ident), {"peer_only": True})
     v["diagnostic: no resolve, over CTAs, no signal"] = (inter.replace(old_resolve, ident),
                                                         {"peer_only": True, "signal": False})
+    # small sends: the chunk path instead of the table mode (the variants above that edit
+    # the chunk path only differ from the baseline where the chunk path runs)
+    no_table = "    and.pred            %tab, %tab, !%cache_on;\n"
+    assert BASE.count(no_table) == 1
+    v["chunk path (no table mode)"] = (BASE.replace(no_table, no_table + "    setp.ne.u32         %tab, 0, 0;\n"), {})
     return v
 
 
@@ -345,7 +350,9 @@ def main() -> int:
                     help="send from GPU 0 into GPU 1 (every row remote) against cuMemcpyPeerAsync")
     ap.add_argument("--epilogue", action="store_true", help="p3_epilogue_send variants")
     ap.add_argument("--decode", action="store_true", help="one-GPU decode round: SM shares")
-    ap.add_argument("--variant", action="append", default=[], help="with --epilogue: only variants naming this")
+    ap.add_argument("--variant", action="append", default=[], help="only variants naming this (and the baseline)")
+    ap.add_argument("--ptx", action="append", default=[], metavar="NAME=FILE",
+                    help="also time FILE, another version of p3_scatter_send.ptx, as variant NAME")
     ap.add_argument("--geometry", action="append", default=[], metavar="BM,BN,S,N,E",
                     help="with --epilogue: geometries to time (default: the first two of the benchmark's)")
     a = ap.parse_args()
@@ -401,8 +408,14 @@ def main() -> int:
         dst = driver.DeviceBuffer(rows * msg)
         ref = timer.run(lambda i: driver.memcpy_dtod(dst.ptr, c.ptr, rows * msg, s), a.iters, 5)["median_us"]
     print(f"{rows} rows x {msg} B{' GPU0 -> GPU1' if a.peer else ''}: {ref_name} {ref:.1f} us")
-    for name, (text, opt) in variants().items():
+    todo = variants()
+    for spec in a.ptx:
+        name, _, path = spec.partition("=")
+        todo[name] = (open(path).read(), {})
+    for name, (text, opt) in todo.items():
         if (a.peer and opt.get("local_only")) or (not a.peer and opt.get("peer_only")):
+            continue
+        if a.variant and name != "baseline" and not any(v in name for v in a.variant):
             continue
         threads = opt.get("threads", 1024)
         sender = ScatterSend(experts, device=dev, threads=threads)

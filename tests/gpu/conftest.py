@@ -61,7 +61,7 @@ class SendRun:
 
 
 def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=False, p3_control=0,
-             disabled=False, src_info=None, cache_init=None, num_sms=None, stream=None, c_obj=None,
+             disabled=False, src_info=None, cache_init=None, num_sms=None, threads=None, stream=None, c_obj=None,
              epilogue: dict | None = None, sender_factory=None, same_gpu=False) -> SendRun:
     """Run ``case`` through p3_scatter_send once and return GPU bytes and oracle bytes.
 
@@ -95,7 +95,7 @@ def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=Fal
     if sender_factory is not None:
         sender = sender_factory(case)
     elif epilogue is None:
-        sender = ScatterSend(case.n_experts, device=dev, num_sms=num_sms)
+        sender = ScatterSend(case.n_experts, device=dev, num_sms=num_sms, **({"threads": threads} if threads else {}))
     else:
         sender = EpilogueSend(case.n_experts, device=dev, **epilogue)
         acc = buf(0, data=case.acc)

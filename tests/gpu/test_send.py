@@ -1,6 +1,8 @@
 """p3_scatter_send against the oracle, byte for byte, on fresh seeds."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -37,6 +39,26 @@ def test_budgeted_sms_byte_exact(dev, family):
     case = send_case(family, fresh_seed("budget"))
     for n in (1, 2, 3, 8, dev.sm_count - 1):
         assert_send_exact(run_send(dev, case, num_sms=n))
+
+
+@pytest.mark.parametrize("threads", [32, 64])
+def test_small_send_table_path_edges(dev, threads):
+    # Small sends (no row cache, <= 32 experts, rows <= 4 x blockDim) take the table path, the
+    # rest the chunk path: rows at that edge -1/0/+1, a block smaller than the offsets and the
+    # range table it stages, one CTA, and more CTAs than vectors (the idle ones leave early).
+    seed = fresh_seed("table-edge")
+    rng = np.random.default_rng(seed)
+    edge = 4 * threads
+    while True:
+        case = send_case("random", int(rng.integers(1 << 32)))
+        if case.expert_offsets[-1] - case.expert_offsets[0] > edge:
+            break
+    for rows in (edge - 1, edge, edge + 1, 1):
+        off = np.minimum(case.expert_offsets, case.expert_offsets[0] + rows)
+        cut = dataclasses.replace(case, expert_offsets=off)
+        for n_sms in (1, 3, dev.sm_count):
+            for row_cache in (False, True):
+                assert_send_exact(run_send(dev, cut, threads=threads, num_sms=n_sms, row_cache=row_cache))
 
 
 def test_disabled_and_negative_control_touch_nothing(dev):
