@@ -61,6 +61,18 @@ def test_small_send_table_path_edges(dev, threads):
                 assert_send_exact(run_send(dev, cut, threads=threads, num_sms=n_sms, row_cache=row_cache))
 
 
+def test_stamps_only_when_a_row_is_stored(dev):
+    # every row fails the bounds check: nothing is stored, so no CTA stamps (both paths)
+    case = send_case("random", fresh_seed("no-store-stamps"))
+    bad = case.src_info.copy()
+    bad[:, 0] = case.max_tokens_per_rank
+    case = dataclasses.replace(case, src_info=bad)
+    for row_cache in (False, True):
+        run = run_send(dev, case, stamps=True, row_cache=row_cache)
+        assert_send_exact(run)
+        assert (run.stamps == 0).all(), f"{case}: stamps without a stored row: {run.stamps[:4]}"
+
+
 def test_disabled_and_negative_control_touch_nothing(dev):
     case = send_case("random", fresh_seed("gate"))
     for kw in ({"disabled": True}, {"p3_control": -1}, {"p3_control": -1, "row_cache": True}):
