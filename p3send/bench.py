@@ -460,12 +460,19 @@ def bench_two_gpus(a, rng, torch, out: dict) -> None:
             sd["sender"] = ScatterSend(a.experts, device=sd["dev"])
             sd["sender"].prepare(cfg, sd["c"], off, count_ptrs=[side[0]["counts"], side[1]["counts"]])
         s0, s1 = side[0]["stream"], side[1]["stream"]
+
+        def op(me: int, send: bool) -> None:
+            # GPU me's direction on its stream: the send, or the peer copy of the same bytes
+            sd, far = side[me], side[1 - me]
+            if send:
+                sd["sender"].launch(sd["stream"])
+            else:
+                driver.memcpy_peer(far["recv"].ptr, far["dev"], sd["c"].ptr, sd["dev"], nbytes, sd["stream"])
+
         d0.activate()
         timer = Timer(s0)
-        one = {"p3_scatter_send 0->1": timer.run(lambda i: side[0]["sender"].launch(s0), a.iters, a.warmup),
-               "cuMemcpyPeerAsync 0->1": timer.run(
-                   lambda i: driver.memcpy_peer(side[1]["recv"].ptr, d1, side[0]["c"].ptr, d0, nbytes, s0),
-                   a.iters, a.warmup)}
+        one = {"p3_scatter_send 0->1": timer.run(lambda i: op(0, True), a.iters, a.warmup),
+               "cuMemcpyPeerAsync 0->1": timer.run(lambda i: op(0, False), a.iters, a.warmup)}
 
         def both(send: bool, legs: list):
             # legs[i]: events around each GPU's own op (GPU0's pair, GPU1's pair), made beforehand
@@ -475,18 +482,12 @@ def bench_two_gpus(a, rng, torch, out: dict) -> None:
                 d1.activate()
                 s1.wait(fork)
                 leg[2].record(s1)
-                if send:
-                    side[1]["sender"].launch(s1)
-                else:
-                    driver.memcpy_peer(side[0]["recv"].ptr, d0, side[1]["c"].ptr, d1, nbytes, s1)
+                op(1, send)
                 leg[3].record(s1)
                 join.record(s1)
                 d0.activate()
                 leg[0].record(s0)
-                if send:
-                    side[0]["sender"].launch(s0)
-                else:
-                    driver.memcpy_peer(side[1]["recv"].ptr, d1, side[0]["c"].ptr, d0, nbytes, s0)
+                op(0, send)
                 leg[1].record(s0)
                 s0.wait(join)
             return run
