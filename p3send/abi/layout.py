@@ -76,3 +76,8 @@ def decode_range_table(table, n_experts: int, n_ranks: int):
     hi = t[..., 0] - RANGE_READY_FLAG
     lo = hi - t[..., 1]
     return lo, hi
+
+
+#: The byte a receive buffer is filled with at allocation (and tests' sentinel): bytes
+#: the send never wrote read back as 0xAB.
+SENTINEL = 0xAB

@@ -12,10 +12,11 @@ import time
 
 import numpy as np
 
-from . import driver
-from .abi import P3PeerSendConfig
-from .kernels import EpilogueSend, RecvReduce, ScatterSend
-from .layout import encode_range_table
+from ..abi.config import P3PeerSendConfig
+from ..abi.layout import encode_range_table
+from ..cuda import driver
+from ..ops.recv import RecvReduce
+from ..ops.send import EpilogueSend, ScatterSend
 
 
 def add_arguments(p) -> None:
@@ -190,8 +191,8 @@ def bench_prefill(a, dev, rng, torch, out: dict, copy_stream: driver.Stream) -> 
 
 
 def bench_decode(a, dev, rng, out: dict) -> None:
-    from .cases import world_case
-    from .combine import Combine
+    from ..ops.combine import Combine
+    from ..oracle.cases import world_case
     world = world_case(n_ranks=a.ranks, tokens=a.decode_tokens, top_k=a.top_k, n_local=a.experts,
                        hidden=a.hidden, seed=int(rng.integers(1 << 31)))
     comb = Combine(a.ranks, max_tokens=a.decode_tokens, top_k=a.top_k, hidden=a.hidden,
@@ -395,7 +396,7 @@ EPILOGUE_GEOMETRIES = (
 def _clock_offset(d0, d1, reps: int = 30) -> dict:
     """p3_pingpong between two GPUs: the one-way flag latency (half the best round trip)
     and GPU1's %globaltimer minus GPU0's at that round trip."""
-    from .kernels import kernel
+    from ..cuda.loader import kernel
     d1.activate()
     k1 = kernel("p3_pingpong", d1)
     ping, out1, s1 = driver.DeviceBuffer(4, fill=0), driver.DeviceBuffer(24, fill=0), driver.Stream()

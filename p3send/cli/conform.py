@@ -20,10 +20,19 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from .abi import FIELDS, P3_CONFIG_ALIGN, P3_CONFIG_SIZE, P3_MAX_RANKS, P3_TRACE_SLOTS, \
-    P5_SEND_MBX_INTS, P5_SEND_MBX_STRIDE, Field, layout_table
-from .errors import ConfigError
-from .layout import RANGE_READY_FLAG
+from ..abi.config import (
+    FIELDS,
+    P3_CONFIG_ALIGN,
+    P3_CONFIG_SIZE,
+    P3_MAX_RANKS,
+    P3_TRACE_SLOTS,
+    P5_SEND_MBX_INTS,
+    P5_SEND_MBX_STRIDE,
+    Field,
+    layout_table,
+)
+from ..abi.errors import ConfigError
+from ..abi.layout import RANGE_READY_FLAG
 
 STRUCT = "P3PeerSendConfig"
 

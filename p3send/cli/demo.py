@@ -34,9 +34,9 @@ def shape_line(a) -> str:
 def world_and_combine(args, seed: int, label: str):
     """The seeded EP world of ``args`` (see add_world_arguments) and a guarded one-GPU
     Combine loaded with it; prints the shape and the device. Returns (world, device, combine)."""
-    from . import driver
-    from .cases import world_case
-    from .combine import Combine
+    from ..cuda import driver
+    from ..ops.combine import Combine
+    from ..oracle.cases import world_case
     print(f"{label}: {shape_line(args)}, seed {seed}")
     t0 = time.perf_counter()
     world = world_case(n_ranks=args.ranks, tokens=args.tokens, top_k=args.top_k, n_local=args.experts,
@@ -54,15 +54,15 @@ def world_and_combine(args, seed: int, label: str):
 
 
 def main(args) -> int:
-    from . import driver
+    from ..cuda import driver
     seed = args.seed if args.seed is not None else int(time.time()) % (1 << 31)
     ok, why = driver.available()
     if not ok:
         return _cpu_only(args, seed, why)
     if args.procs:
-        from .world import demo_procs
+        from .procs_demo import demo_procs
         return demo_procs(args, seed)
-    from .cases import check_world
+    from ..oracle.cases import check_world
     world, dev, comb = world_and_combine(args, seed, "p3send demo")
     try:
         comb.round()
@@ -101,7 +101,7 @@ def main(args) -> int:
 
 
 def _copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
-    from . import driver
+    from ..cuda import driver
     a, b = driver.DeviceBuffer(nbytes, fill=0x5A), driver.DeviceBuffer(nbytes)
     s = driver.Stream()
     e0, e1 = driver.Event(), driver.Event()
@@ -120,9 +120,9 @@ def _copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
 
 
 def _cpu_only(args, seed, why) -> int:
-    from . import reference as ref
-    from .cases import world_case, world_recv_expected
-    from .ptxcheck import ptx_dir
+    from ..oracle import reference as ref
+    from ..oracle.cases import world_case, world_recv_expected
+    from ..cuda.loader import ptx_dir
     print(f"p3send demo: no usable GPU here ({why}).")
     tokens = min(args.tokens, 64)
     hidden = min(args.hidden, 512)

@@ -28,9 +28,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import ptxdoc
-from .abi import FIELDS, P3_CONFIG_SIZE
-from .errors import P3SendError
+from ..abi.config import FIELDS, P3_CONFIG_SIZE
+from ..abi.errors import P3SendError
+from ..cuda import ptxdoc
+from ..cuda.loader import ptx_dir
 
 DEFAULT_ARCHS = ("sm_90", "sm_100")
 
@@ -46,15 +47,6 @@ _INSTALL_HINT = ("install it with: pip install nvidia-nvjitlink==13.0.*  "
 
 
 # ----------------------------------------------------------------------------- files
-
-def ptx_dir() -> Path:
-    """The shipped PTX directory: inside the installed package, else ``<repo>/ptx``."""
-    import p3send
-    pkg = Path(p3send.__file__).resolve().parent
-    for d in (pkg / "ptx", pkg.parent / "ptx"):
-        if d.is_dir() and any(d.glob("*.ptx")):
-            return d
-    raise P3SendError(f"no shipped PTX found: looked in {pkg / 'ptx'} and {pkg.parent / 'ptx'}")
 
 
 def _blank_comments(text: str) -> str:

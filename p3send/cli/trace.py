@@ -262,7 +262,7 @@ def plot(timeline: dict, path) -> bool:
 # ---------------------------------------------------------------- the command
 
 def _load(path: str) -> dict:
-    from .errors import P3SendError
+    from ..abi.errors import P3SendError
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -275,13 +275,13 @@ def _load(path: str) -> dict:
 def _gpu_round(args) -> tuple[dict | None, int]:
     """(timeline, exit status) of one verified round at the requested shape; (None, 0)
     without a GPU."""
-    from . import driver
+    from ..cuda import driver
     ok, why = driver.available()
     if not ok:
         print(f"p3send trace: no usable GPU here ({why}); nothing to trace. "
               "Use --from FILE to convert stamps saved with --save on a GPU machine.")
         return None, 0
-    from .cases import check_world
+    from ..oracle.cases import check_world
     from .demo import world_and_combine
     seed = args.seed if args.seed is not None else int(time.time()) % (1 << 31)
     world, dev, comb = world_and_combine(args, seed, "p3send trace")
@@ -303,7 +303,7 @@ def _gpu_round(args) -> tuple[dict | None, int]:
 def _check_paths(args) -> None:
     """Refuse an --out/--save that would overwrite the --from file or each other
     (``--from round.json --out round`` would otherwise replace the stamps with the trace)."""
-    from .errors import P3SendError
+    from ..abi.errors import P3SendError
     roles = {"--from FILE": args.from_file, "--out PREFIX.json": f"{args.out}.json",
              "--out PREFIX.png": f"{args.out}.png", "--save FILE": args.save}
     seen: dict[str, str] = {}

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from .errors import ContextLostError, CudaError, NoDeviceError
+from ..abi.errors import ContextLostError, CudaError, NoDeviceError
 
 # Errors after which the context is unusable (CUDA docs: "the process must be terminated").
 _STICKY = {214, 700, 701, 702, 710, 714, 715, 716, 717, 718, 719, 720, 999}

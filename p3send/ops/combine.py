@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import driver
-from .abi import P3_MAX_RANKS, P3PeerSendConfig
-from .errors import ArrivalTimeout, ConfigError
-from .kernels import RecvReduce, ScatterSend
-from .layout import NOT_ARRIVED, recv_buf_bytes
+from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig
+from ..abi.errors import ArrivalTimeout, ConfigError
+from ..abi.layout import NOT_ARRIVED, recv_buf_bytes
+from ..cuda import driver
+from .recv import RecvReduce
+from .send import ScatterSend
 
 #: Bytes of sentinel-filled guard before and after each receive buffer when asked for.
 GUARD = 4096

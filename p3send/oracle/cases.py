@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .abi import P3_MAX_RANKS
-from .layout import encode_range_table
+from ..abi.config import P3_MAX_RANKS
+from ..abi.layout import SENTINEL, encode_range_table
 from .reference import f32_to_bf16
 
-SENTINEL = 0xAB
 #: Vectors per lane per batch in p3_scatter_send (6 x 32 lanes x 16 B): msg_bytes around
 #: multiples of this many bytes exercise the batch edges.
 SEND_BATCH_BYTES = 6 * 32 * 16
@@ -311,7 +310,7 @@ def check_world(world: World, recv_of, out_of, guard: int = 0, recv_bytes: int |
     receive buffers byte for byte (unowned slots and guards must hold the sentinel), the
     reduce within bf16 rounding of the float64 reference. ``ranks``: check only these
     (default all; a process of a multi-process world checks its own)."""
-    from . import reference as ref
+    from ..oracle import reference as ref
     problems = []
     m = world.msg_bytes
     for r in (range(world.n_ranks) if ranks is None else ranks):

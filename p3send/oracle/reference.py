@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .abi import P3PeerSendConfig
-from .layout import NOT_ARRIVED, decode_range_table, recv_count_layout
+from ..abi.config import P3PeerSendConfig
+from ..abi.layout import NOT_ARRIVED, decode_range_table, recv_count_layout
 
 
 @dataclass

@@ -8,12 +8,13 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from p3send.abi import config as abi
+from p3send.abi.config import CONFIG_DTYPE, FIELDS, P3PeerSendConfig, validate
+from p3send.abi.errors import ConfigError
 from tests.cpu.conftest import HEADER
-from p3send import abi
-from p3send.abi import CONFIG_DTYPE, FIELDS, P3PeerSendConfig, validate
-from p3send.errors import ConfigError
 
 # SPEC §2, copied by hand: (name, offset, size). Every other form is compared to this.
 SPEC_TABLE = [
@@ -60,7 +61,7 @@ def test_numpy_dtype_layout():
 
 
 def test_header_compiled_by_the_c_compiler_matches(tmp_path):
-    from p3send.conform import c_layout
+    from p3send.cli.conform import c_layout
     layout = c_layout(HEADER)   # cffi API mode: offsets come from gcc's offsetof/sizeof
     assert (layout.size, layout.align) == (184, 8)
     assert [(m.name, m.offset, m.size) for m in layout.members] == SPEC_TABLE
@@ -256,8 +257,8 @@ def _ptx_send_acct() -> list[tuple[str, int, int]]:
 
 
 def test_send_ctx_ptx_ctypes_and_c_agree():
-    from p3send.abi import P3SendCtx
-    from p3send.conform import c_layout
+    from p3send.abi.config import P3SendCtx
+    from p3send.cli.conform import c_layout
     ptx = _ptx_send_ctx()
     assert [n for n, _, _ in ptx] == [n for n, _ in P3SendCtx._fields_]
     assert [(n, getattr(P3SendCtx, n).offset, getattr(P3SendCtx, n).size) for n, _ in P3SendCtx._fields_] == ptx
@@ -269,7 +270,7 @@ def test_send_ctx_ptx_ctypes_and_c_agree():
 
 
 def test_send_acct_ptx_and_c_agree():
-    from p3send.conform import c_layout
+    from p3send.cli.conform import c_layout
     layout = c_layout(HEADER, "P3SendAcct")
     assert (layout.size, layout.align) == (abi.P3_SEND_ACCT_SIZE, 8) == (48, 8)
     members = [(m.name, m.offset, m.size) for m in layout.members]
@@ -280,10 +281,10 @@ def test_send_acct_ptx_and_c_agree():
 
 
 def test_header_flags_and_sizes_match_the_code():
-    from p3send import kernels
+    from p3send.ops import send
     defines = {k: int(v) for k, v in re.findall(r"^#define (P3_\w+) (\d+)\b", HEADER.read_text(), flags=re.M)}
     flags = {k[3:]: v for k, v in defines.items() if k.startswith("P3_FLAG_")}
-    assert flags == {n: getattr(kernels, n) for n in dir(kernels) if n.startswith("FLAG_")}
+    assert flags == {n: getattr(send, n) for n in dir(send) if n.startswith("FLAG_")}
     assert flags == {"FLAG_ROW_CACHE": 1, "FLAG_SIGNAL": 2, "FLAG_SCOPE_GPU": 4}
     assert (defines["P3_SEND_CTX_SIZE"], defines["P3_SEND_ACCT_SIZE"]) == (
         ctypes.sizeof(abi.P3SendCtx), abi.P3_SEND_ACCT_SIZE)
@@ -308,7 +309,7 @@ def _header_prototypes() -> dict[str, list[tuple[str, str]]]:
 
 
 def test_header_prototypes_match_the_ptx_functions():
-    from p3send import ptxdoc
+    from p3send.cuda import ptxdoc
     text = SEND_ROWS_PTX.read_text()
     decls, documented = ptxdoc.parse_decls(text), ptxdoc.parse_header(text)
     protos = _header_prototypes()
@@ -345,13 +346,14 @@ def test_header_prototypes_link_with_the_ptx(tmp_path):
     r = subprocess.run([nvcc, "-rdc=true", "-ptx", "-arch=sm_90", f"-I{HEADER.parent}", str(src), "-o", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    from p3send import ptxcheck, ptxdoc
+    from p3send.cli import ptxcheck
+    from p3send.cuda import ptxdoc
     ptx = out.read_text()
     ours = ptxdoc.parse_decls(SEND_ROWS_PTX.read_text())
     theirs = ptxdoc.parse_decls(ptx)
     for name in ("p3_send_rows", "p3_send_flush"):
         assert [(p.offset, p.size, p.type) for p in theirs[name]] == [(p.offset, p.size, p.type) for p in ours[name]]
-    from p3send.errors import P3SendError
+    from p3send.abi.errors import P3SendError
     try:
         ptxcheck._nvjitlink()
     except P3SendError as e:

@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
+from p3send.abi.config import CONFIG_DTYPE, FIELDS
+from p3send.cli.conform import render
 from tests.cpu.conftest import DISABLED_HEX, HEADER, ROOT, compile_and_run
-from p3send.abi import CONFIG_DTYPE, FIELDS
-from p3send.conform import render
 
 # A foreign C runtime's declaration, written the way such a runtime would: its own
 # device-pointer typedef, `struct Name {...};`, several declarators on one line.
@@ -196,7 +196,7 @@ def test_broken_declarations_are_named(tmp_path, cli, kind, suffix, text, field,
 
 def test_every_shifted_field_is_reported(tmp_path):
     # Dropping top_k moves every later field up by 8: each one is a separate problem.
-    from p3send.conform import check_path
+    from p3send.cli.conform import check_path
     path = tmp_path / "decl.h"
     path.write_text(_drop_line(GOOD_C, "top_k"))
     problems = check_path(path)

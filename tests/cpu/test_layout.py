@@ -3,10 +3,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from p3send.layout import (NOT_ARRIVED, RANGE_READY_FLAG, decode_range_table, encode_range_table,
-                           recv_buf_bytes, recv_buf_layout, recv_count_layout, recv_counts_len)
+from p3send.abi.layout import (
+    NOT_ARRIVED,
+    RANGE_READY_FLAG,
+    decode_range_table,
+    encode_range_table,
+    recv_buf_bytes,
+    recv_buf_layout,
+    recv_count_layout,
+    recv_counts_len,
+)
 
 
 def test_formulas_by_hand():

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from p3send import cli, ptxcheck
-from p3send.errors import P3SendError
+from p3send.abi.errors import P3SendError
+from p3send.cli import app as cli
+from p3send.cli import ptxcheck
 
 PTX_DIR = ptxcheck.ptx_dir()
 SHIPPED = sorted(PTX_DIR.glob("*.ptx"))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from p3send import trace
+from p3send.cli import trace
 
 B = 1_700_000_000_000  # an arbitrary %globaltimer origin, ns
 
@@ -173,7 +173,7 @@ def test_cli_refuses_to_overwrite_the_stamps(cli, tmp_path):
 
 
 def test_cli_without_gpu_says_so_and_exits_0(cli, tmp_path, monkeypatch):
-    from p3send import driver
+    from p3send.cuda import driver
     monkeypatch.setattr(driver, "available", lambda: (False, "no CUDA driver (test)"))
     rc, out = cli("trace", "--out", tmp_path / "t")
     assert rc == 0, out

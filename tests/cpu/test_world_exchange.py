@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from p3send.world import ExchangeTimeout, ProcessExchange, run_ranks
+from p3send.ops.exchange import ExchangeTimeout, ProcessExchange
+from p3send.ops.procs import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -61,7 +62,7 @@ def torch_job(rank, ex, job):
 
     import torch.distributed as dist
 
-    from p3send.world import TorchExchange
+    from p3send.ops.exchange import TorchExchange
     store, victim, timeout = job
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ex.n_ranks,
                             timeout=timedelta(seconds=30))
@@ -167,7 +168,7 @@ def test_torch_exchange_names_a_rank_that_left(tmp_path):
 MPI_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from p3send.world import ExchangeTimeout, MPIExchange
+    from p3send.ops.exchange import ExchangeTimeout, MPIExchange
     ex = MPIExchange(timeout_s=20)
     assert ex.allgather(("r", ex.rank)) == [("r", r) for r in range(ex.n_ranks)]
     ex.barrier()

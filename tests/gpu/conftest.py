@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from p3send import P3PeerSendConfig, driver, reference as ref
-from p3send.cases import SENTINEL
-from p3send.kernels import EpilogueSend, ScatterSend
+from p3send import P3PeerSendConfig
+from p3send.cuda import driver
+from p3send.ops.send import EpilogueSend, ScatterSend
+from p3send.oracle import reference as ref
+from p3send.oracle.cases import SENTINEL
 
 OK, WHY = driver.available()
 GUARD = 4096

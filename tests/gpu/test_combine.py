@@ -6,10 +6,11 @@ import time
 import numpy as np
 import pytest
 
-from p3send import ArrivalTimeout, driver
-from p3send.cases import check_world, world_case, world_counts_expected
-from p3send.combine import Combine
-from p3send.reference import f32_to_bf16
+from p3send import ArrivalTimeout
+from p3send.cuda import driver
+from p3send.ops.combine import Combine
+from p3send.oracle.cases import check_world, world_case, world_counts_expected
+from p3send.oracle.reference import f32_to_bf16
 from tests.gpu.conftest import fresh_seed
 
 WORLDS = {

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from p3send import driver, kernels
-from p3send.abi import P3SendCtx
-from p3send.cases import FAMILIES, epilogue_case
+from p3send.abi.config import P3SendCtx
+from p3send.cuda import driver, loader
+from p3send.ops import send as send_ops
+from p3send.oracle.cases import FAMILIES, epilogue_case
 from tests.gpu.conftest import assert_send_exact, fresh_seed, run_send
 
 DATA = Path(__file__).parent / "data"
@@ -36,7 +37,7 @@ def test_every_family(dev, family):
 def test_benchmark_geometries(dev, grid):
     """The geometries the benchmark times, with the launcher's grid and with a few CTAs
     (each then takes a long contiguous range of tiles), both signal scopes."""
-    from p3send.bench import EPILOGUE_GEOMETRIES
+    from p3send.cli.bench import EPILOGUE_GEOMETRIES
     for i, g in enumerate(EPILOGUE_GEOMETRIES):
         case = epilogue_case("random" if i % 2 else "many_experts", fresh_seed(f"bench geometry {i}"))
         assert_send_exact(run_send(dev, case, row_cache=bool(i % 3 == 0), same_gpu=bool(i % 2),
@@ -71,7 +72,7 @@ class LinkedConsumer:
     linker: a runtime's own kernel calling p3send's device functions."""
 
     def __init__(self, dev, case):
-        mod = kernels.link([("consumer.ptx", (DATA / "consumer.ptx").read_text()), "p3_send_rows"],
+        mod = loader.link([("consumer.ptx", (DATA / "consumer.ptx").read_text()), "p3_send_rows"],
                            device=dev, name="consumer+p3_send_rows")
         self.k = mod["consumer"]
         self.n_experts, self.grid = case.n_experts, case.n_experts
@@ -80,7 +81,7 @@ class LinkedConsumer:
         self.ctx = driver.DeviceBuffer(104, fill=0)
 
     def __call__(self, cfg, c, case, *, stream, count_ptrs, row_cache, p3_control):
-        problems, offs, peers, flags = kernels._send_args(
+        problems, offs, peers, flags = send_ops._send_args(
             self, cfg, case.expert_offsets.astype(np.int32), None, case.c.shape[0], count_ptrs, row_cache,
             p3_control, False)
         assert not problems, problems
@@ -95,7 +96,7 @@ class LinkedConsumer:
         s.synchronize()
 
     def diagnostics(self):
-        return kernels._diagnostics(self.diag, True)
+        return send_ops._diagnostics(self.diag, True)
 
     def close(self):
         for b in (self.state, self.diag, self.ctx, getattr(self, "_offs_buf", None)):

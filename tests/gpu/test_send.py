@@ -6,9 +6,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from p3send import ConfigError, P3PeerSendConfig, driver, reference as ref
-from p3send.cases import FAMILIES, send_case
-from p3send.kernels import ScatterSend
+from p3send import ConfigError, P3PeerSendConfig
+from p3send.cuda import driver
+from p3send.ops.send import ScatterSend
+from p3send.oracle import reference as ref
+from p3send.oracle.cases import FAMILIES, send_case
 from tests.gpu.conftest import GUARD, assert_send_exact, fresh_seed, run_send
 
 

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from p3send import driver
-from p3send.world import RoundJob, run_ranks, run_round_job
+from p3send.cuda import driver
+from p3send.ops.procs import run_ranks
+from p3send.oracle.rounds import RoundJob, run_round_job
 from tests.gpu.conftest import OK, WHY, fresh_seed
 from tests.gpu.test_world import assert_verified, report
 

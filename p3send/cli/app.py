@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import P3SendError
+from ..abi.errors import P3SendError
 
 
 def _cmd_layout(args) -> int:

@@ -1,0 +1,74 @@
+"""Launcher of ``p3_recv_reduce``: the bounded wait for every (expert, source) count,
+the top-k weighted reduce, and the re-arm of the counts."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig
+from ..abi.errors import ConfigError
+from ..cuda import driver
+from ..cuda.loader import ParamBlock, kernel
+from .args import aligned
+
+
+class RecvReduce:
+    """Launcher for ``p3_recv_reduce`` for one receiving rank: owns its state and record."""
+
+    THREADS = 256
+
+    def __init__(self, *, device: driver.Device | None = None, max_ctas: int | None = None):
+        self.dev = device or driver.device()
+        self.k = kernel("p3_recv_reduce", self.dev)
+        self.state = driver.DeviceBuffer(32, fill=0)
+        self.diag = driver.DeviceBuffer(32, fill=0)
+        self.max_ctas = max_ctas or 4 * self.dev.sm_count   # 4 CTAs of 256 threads fit an SM
+        self.block = self.k.params_block()
+        self.grid = 1
+
+    def prepare(self, cfg: P3PeerSendConfig, recv, counts, topk_idx, weights, out, *, n_tokens: int,
+                n_experts: int, timeout_ns: int, stamps=None) -> ParamBlock:
+        problems = []
+        if not (1 <= cfg.n_ranks <= P3_MAX_RANKS):
+            problems.append(f"n_ranks: expected 1..{P3_MAX_RANKS}, got {cfg.n_ranks}")
+        if not (1 <= cfg.top_k <= 32):
+            problems.append(f"top_k: expected 1..32 for the receive side, got {cfg.top_k}")
+        if cfg.msg_bytes <= 0 or cfg.msg_bytes % 16:
+            problems.append(f"msg_bytes: expected a positive multiple of 16 (hidden a multiple of 8 bf16), got {cfg.msg_bytes}")
+        if not (0 <= n_tokens <= cfg.max_tokens_per_rank):
+            problems.append(f"n_tokens: expected 0..max_tokens_per_rank ({cfg.max_tokens_per_rank}), got {n_tokens}")
+        if n_experts < 1:
+            problems.append(f"n_experts: expected >= 1, got {n_experts}")
+        if timeout_ns < 0:
+            problems.append(f"timeout_ns: expected >= 0, got {timeout_ns}")
+        addrs = {}
+        for name, obj, align, need in (("recv", recv, 16, True), ("counts", counts, 8, True),
+                                       ("topk_idx", topk_idx, 4, True), ("weights", weights, 4, out is not None),
+                                       ("out", out, 16, False)):
+            a = 0 if obj is None else driver.device_ptr(obj, name)
+            if need or a:
+                aligned(name, a, align, problems)
+            addrs[name] = a
+        units = n_tokens * -(-max(cfg.msg_bytes, 0) // 512)      # one warp per (token, 512-byte chunk)
+        if units >= 1 << 32:
+            problems.append(f"n_tokens: {n_tokens} tokens x {cfg.msg_bytes}-byte rows exceed 2^32 work units")
+        if problems:
+            raise ConfigError(problems, "receive launch")
+        warps = max(1, units)
+        self.grid = max(1, min(self.max_ctas, -(-warps // (self.THREADS // 32))))
+        return self.block.set(cfg=cfg, recv_ptr=addrs["recv"], counts_ptr=addrs["counts"],
+                              topk_idx=addrs["topk_idx"], weights=addrs["weights"], out_ptr=addrs["out"],
+                              state_ptr=self.state, diag_ptr=self.diag, timeout_ns=int(timeout_ns),
+                              stamp_ptr=0 if stamps is None else stamps, n_tokens=n_tokens, n_experts=n_experts)
+
+    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
+        (block or self.block).launch((self.grid,), (self.THREADS,), stream)
+
+    def record(self) -> dict:
+        """The last launch's record: timed-out waits, first missing slot and its value."""
+        d = self.diag.download(np.uint64)
+        return {"timeouts": int(d[0]) if d[0] != 1 << 63 else None, "rejected": int(d[0]) == 1 << 63,
+                "first_missing_slot": int(np.int64(d[1])), "value": int(d[2]), "end_ns": int(d[3])}
+
+    def close(self) -> None:
+        self.state.free()
+        self.diag.free()

@@ -1,0 +1,231 @@
+"""Launchers of the two send kernels: ``ScatterSend`` (``p3_scatter_send``, a whole
+expert-grouped C) and ``EpilogueSend`` (``p3_epilogue_send``, fp32 tiles converted and sent
+by the linkable ``p3_send_rows``). Both own their sender state and diagnostics."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig, P3SendCtx, validate
+from ..abi.errors import ConfigError, P3SendError
+from ..cuda import driver
+from ..cuda.loader import ParamBlock, kernel
+from .args import aligned, nbytes
+
+FLAG_ROW_CACHE = 1
+FLAG_SIGNAL = 2
+FLAG_SCOPE_GPU = 4   # every receiver on this GPU: .gpu-scope release (docs/PROTOCOL.md)
+
+
+def _send_args(launcher, cfg, expert_offsets, host_offsets, rows_cap, count_ptrs, row_cache, p3_control, same_gpu):
+    """Checks and values shared by the send launchers: (problems, expert_offsets address,
+    count pointers [8], flags). A numpy ``expert_offsets`` is uploaded into the launcher's
+    own buffer (and checked); otherwise ``host_offsets`` (if given) is checked."""
+    problems = validate(cfg, p3_control=p3_control, row_cache=row_cache, raise_on_error=False)
+    n = launcher.n_experts
+    if isinstance(expert_offsets, np.ndarray):
+        host_offsets = expert_offsets
+        if getattr(launcher, "_offs_buf", None) is None:
+            launcher._offs_buf = driver.DeviceBuffer(4 * (n + 1))
+        if expert_offsets.size == n + 1:
+            launcher._offs_buf.upload(np.ascontiguousarray(expert_offsets, dtype=np.int32))
+        expert_offsets = launcher._offs_buf
+    offs_addr = driver.device_ptr(expert_offsets, "expert_offsets")
+    aligned("expert_offsets", offs_addr, 4, problems)
+    if host_offsets is not None:
+        off = np.asarray(host_offsets, dtype=np.int64)
+        if off.shape != (n + 1,):
+            problems.append(f"expert_offsets: expected {n + 1} int32 values, got shape {off.shape}")
+        elif (off < 0).any() or (np.diff(off) < 0).any() or off[-1] > np.iinfo(np.int32).max:
+            problems.append(f"expert_offsets: expected non-decreasing values in 0..2^31-1, got {off.tolist()[:12]}")
+        elif rows_cap is not None and off[-1] > rows_cap:
+            problems.append(f"expert_offsets: rows up to {int(off[-1])} but the input holds {rows_cap} rows")
+    flags = FLAG_ROW_CACHE if row_cache else 0
+    peers = [0] * P3_MAX_RANKS
+    if count_ptrs is not None:
+        flags |= FLAG_SIGNAL | (FLAG_SCOPE_GPU if same_gpu else 0)
+        cp = list(count_ptrs)
+        for i in range(min(cfg.n_ranks, cfg.p2p_world_size) if cfg.n_ranks > 0 else 0):
+            if i >= len(cp):
+                problems.append(f"count_ptrs[{i}]: expected the receive counts of p2p rank {i}, got nothing")
+                continue
+            peers[i] = driver.device_ptr(cp[i], f"count_ptrs[{i}]")
+            aligned(f"count_ptrs[{i}]", peers[i], 8, problems)
+    return problems, offs_addr, peers, flags
+
+
+def _diagnostics(buf: driver.DeviceBuffer, reset: bool) -> dict:
+    d = buf.download(np.uint32)
+    if reset:
+        buf.fill(0)
+    return {"dropped": int(d[0]), "unrouted": int(d[1]), "rejected": bool(d[2])}
+
+
+class _Sender:
+    """What the send launchers share: launch, a one-shot call, diagnostics, close."""
+
+    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
+        (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
+
+    def __call__(self, *args, stream=None, **kw) -> None:
+        """prepare(*args, **kw) and launch; synchronous when no stream is given."""
+        blk = self.prepare(*args, **kw)
+        s = stream or driver.Stream()
+        self.launch(s, blk)
+        if stream is None:
+            s.synchronize()
+            s.close()
+
+    def diagnostics(self, reset: bool = True) -> dict:
+        """{'dropped': rows failing the bounds check, 'unrouted': rows owned by no rank,
+        'rejected': cfg refused on the device} accumulated since the last reset."""
+        return _diagnostics(self.diag, reset)
+
+    def close(self) -> None:
+        for b in (self.state, self.diag, getattr(self, "ctx", None), getattr(self, "_offs_buf", None)):
+            if b is not None:
+                b.free()
+
+
+class ScatterSend(_Sender):
+    """Launcher for ``p3_scatter_send`` on one device.
+
+    Owns the sender state (per-expert completion and pair counters, zeroed once and
+    self-resetting) and the diagnostics buffer. ``num_sms`` limits the send to that many
+    SMs (one 1024-thread CTA each, like DeepEP's ``set_num_sms``); default: all SMs.
+    """
+
+    THREADS = 1024
+    #: cp.async staging per thread: 2 chunks x 6 vectors x 16 B (1024 threads: 192 KiB, one CTA per SM).
+    SMEM_PER_THREAD = 2 * 6 * 16
+
+    def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
+                 threads: int = THREADS):
+        if n_experts < 1:
+            raise ValueError(f"n_experts: expected >= 1, got {n_experts}")
+        if threads % 32 or not (32 <= threads <= 1024):
+            raise ValueError(f"threads: expected a multiple of 32 in 32..1024, got {threads}")
+        self.dev = device or driver.device()
+        self.k = kernel("p3_scatter_send", self.dev)
+        self.n_experts, self.threads = int(n_experts), threads
+        self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0)   # u64 done[e] + u32 pair[e][8]
+        self.diag = driver.DeviceBuffer(16, fill=0)
+        self.smem = self.SMEM_PER_THREAD * threads
+        if self.smem > self.dev.smem_optin:
+            raise P3SendError(f"p3_scatter_send needs {self.smem} B of shared memory per block; "
+                              f"{self.dev.name} allows {self.dev.smem_optin}")
+        driver.set_max_dynamic_smem(self.k.func, max(self.smem, self.SMEM_PER_THREAD * self.THREADS))
+        self.set_num_sms(num_sms)
+        self.block = self.k.params_block()
+
+    def set_num_sms(self, num_sms: int | None) -> None:
+        """Use ``num_sms`` SMs: one CTA each (a 1024-thread CTA's staging fills an SM's shared memory)."""
+        sms = self.dev.sm_count
+        if num_sms is not None and not (1 <= num_sms <= sms):
+            raise ValueError(f"num_sms: expected 1..{sms}, got {num_sms}")
+        self.grid = num_sms or sms
+
+    def prepare(self, cfg: P3PeerSendConfig, c, expert_offsets, c_row_stride: int | None = None, *,
+                count_ptrs=None, row_cache: bool = False, p3_control: int = 0, same_gpu: bool = False,
+                expert_offsets_host=None, rows_in_c: int | None = None,
+                into: ParamBlock | None = None) -> ParamBlock:
+        """Validate every argument and fill the parameter block (no launch).
+
+        cfg: the config; c: C (DeviceBuffer / CAI object / address), rows of
+        ``cfg.msg_bytes`` at ``c_row_stride`` (default msg_bytes); expert_offsets: int32
+        (n_experts+1,) on the device (DeviceBuffer/CAI/address) -- pass the same values as
+        a numpy array in ``expert_offsets_host`` (or pass a numpy array as expert_offsets,
+        uploaded once) so bounds are checked; count_ptrs: up to 8 receive-count arrays
+        (enables the arrival signal); same_gpu: every receiver is on this GPU, so the signal
+        may use .gpu-scope release (SPEC §7); into: fill this block instead of the launcher's own
+        (several prepared launches, e.g. rotating inputs).
+        """
+        stride = cfg.msg_bytes if c_row_stride is None else int(c_row_stride)
+        c_addr = driver.device_ptr(c, "c")
+        nb = nbytes(c)
+        cap = rows_in_c
+        if cap is None and nb is not None and stride:
+            cap = (nb - cfg.msg_bytes) // stride + 1 if nb >= cfg.msg_bytes else 0
+        problems, offs_addr, peers, flags = _send_args(self, cfg, expert_offsets, expert_offsets_host, cap,
+                                                       count_ptrs, row_cache, p3_control, same_gpu)
+        aligned("c", c_addr, 16, problems)
+        if stride % 16 or stride < cfg.msg_bytes:
+            problems.append(f"c_row_stride: expected a multiple of 16 >= msg_bytes ({cfg.msg_bytes}), got {stride}")
+        if problems:
+            raise ConfigError(problems, "scatter-send launch")
+        return (into or self.block).set(cfg=cfg, count_ptrs=peers, c_ptr=c_addr, c_row_stride=stride,
+                                        expert_offsets=offs_addr, state_ptr=self.state, diag_ptr=self.diag,
+                                        n_experts=self.n_experts, flags=flags, p3_control=int(p3_control))
+
+
+
+class EpilogueSend(_Sender):
+    """Launcher for ``p3_epilogue_send``: fp32 accumulator tiles -> bf16 in shared-memory
+    stages -> peers, by ``send_warps`` dedicated send warps fed through the mailbox (0:
+    the epilogue warps send inline). Owns the sender state, diagnostics and P3SendCtx."""
+
+    def __init__(self, n_experts: int, *, device: driver.Device | None = None, bm: int = 16, bn: int = 1024,
+                 num_stages: int = 2, send_warps: int = 1, epilogue_warps: int = 2, grid: int | None = None):
+        problems = []
+        if n_experts < 1:
+            problems.append(f"n_experts: expected >= 1, got {n_experts}")
+        if bn <= 0 or bn % 8:
+            problems.append(f"bn: expected a positive multiple of 8, got {bn}")
+        if not (2 <= num_stages <= 8):
+            problems.append(f"num_stages: expected 2..8, got {num_stages}")
+        elif bm <= 0 or bm % num_stages:
+            problems.append(f"bm: expected a positive multiple of num_stages ({num_stages}), got {bm}")
+        if epilogue_warps < 1 or send_warps < 0 or epilogue_warps + send_warps > 8:
+            problems.append(f"warps: expected >= 1 epilogue warp, >= 0 send warps, 8 in all at most; "
+                            f"got {epilogue_warps} + {send_warps}")
+        if problems:
+            raise ConfigError(problems, "epilogue-send geometry")
+        self.dev = device or driver.device()
+        self.k = kernel("p3_epilogue_send", self.dev)
+        self.n_experts, self.bm, self.bn, self.num_stages = int(n_experts), bm, bn, num_stages
+        self.send_warps, self.threads = send_warps, 32 * (epilogue_warps + send_warps)
+        self.smem = bm * bn * 2
+        if self.smem > self.dev.smem_optin:
+            raise ConfigError([f"bm*bn*2 = {self.smem} B of shared memory exceeds {self.dev.smem_optin}"],
+                              "epilogue-send geometry")
+        driver.set_max_dynamic_smem(self.k.func, self.smem)
+        per_sm = max(1, driver.occupancy(self.k.func, self.threads, self.smem))
+        self.grid = grid or per_sm * self.dev.sm_count
+        self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0)
+        self.diag = driver.DeviceBuffer(16, fill=0)
+        self.ctx = driver.DeviceBuffer(ctypes.sizeof(P3SendCtx), fill=0)
+        self.block = self.k.params_block()
+
+    def prepare(self, cfg: P3PeerSendConfig, acc, n_cols: int, expert_offsets, *, acc_stride: int | None = None,
+                count_ptrs=None, row_cache: bool = False, p3_control: int = 0, same_gpu: bool = False,
+                expert_offsets_host=None, rows_in_acc: int | None = None) -> ParamBlock:
+        """acc: fp32 (rows, >= n_cols) accumulators by absolute row; n_cols: hidden (cfg.msg_bytes
+        must be 2*n_cols); the rest as ``ScatterSend.prepare``."""
+        stride = 4 * n_cols if acc_stride is None else int(acc_stride)
+        acc_addr = driver.device_ptr(acc, "acc")
+        nb = nbytes(acc)
+        cap = rows_in_acc
+        if cap is None and nb is not None and stride:
+            cap = (nb - 4 * n_cols) // stride + 1 if nb >= 4 * n_cols else 0
+        problems, offs_addr, peers, flags = _send_args(self, cfg, expert_offsets, expert_offsets_host, cap,
+                                                       count_ptrs, row_cache, p3_control, same_gpu)
+        aligned("acc", acc_addr, 16, problems)
+        if n_cols <= 0 or n_cols % 8:
+            problems.append(f"n_cols: expected a positive multiple of 8, got {n_cols}")
+        if cfg.msg_bytes != 2 * n_cols:
+            problems.append(f"msg_bytes: expected 2*n_cols = {2 * n_cols} (bf16 rows), got {cfg.msg_bytes}")
+        if stride % 16 or stride < 4 * n_cols:
+            problems.append(f"acc_stride: expected a multiple of 16 >= 4*n_cols ({4 * n_cols}), got {stride}")
+        if problems:
+            raise ConfigError(problems, "epilogue-send launch")
+        ctx = P3SendCtx()
+        ctx.count_ptrs[:] = peers
+        ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = offs_addr, self.state.ptr, self.diag.ptr
+        ctx.n_experts, ctx.flags, ctx.p3_control = self.n_experts, flags, int(p3_control)
+        self.ctx.upload(np.frombuffer(bytes(ctx), dtype=np.uint8))
+        return self.block.set(cfg=cfg, ctx=self.ctx, acc_ptr=acc_addr, acc_stride=stride, n_cols=n_cols,
+                              bm=self.bm, bn=self.bn, num_stages=self.num_stages, n_send_warps=self.send_warps)
+
+
+
