@@ -186,7 +186,7 @@ P3_STATIC_ASSERT(P3_ALIGNOF(P3SendAcct) == 8, "P3SendAcct must align to 8");
 /* The .visible .func of ptx/p3_send_rows.ptx, parameter for parameter (.b64 = a generic
  * pointer, .b32 = int/unsigned). Compile your kernel with -rdc=true and link that file
  * (nvJitLink or cuLink*). Call with all 32 lanes of a warp active and warp-uniform
- * arguments; contract and example: docs/ABI.md and docs/EMBEDDING.md. */
+ * arguments; contract: docs/KERNELS.md; example: docs/EMBEDDING.md. */
 extern "C" __device__ void p3_send_rows(const P3PeerSendConfig *cfg, const P3SendCtx *ctx,
                                         P3SendAcct *acct, unsigned smem_tile,
                                         unsigned row_pitch, int m_abs, int rows,
@@ -199,7 +199,8 @@ extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3Se
 /* ======================================================================== */
 /* Kernel entry points                                                      */
 /* ======================================================================== */
-/* The kernel parameter tables are in docs/ABI.md ("Kernel entry points"). */
+/* The kernels' launch contracts (parameter tables, launch shapes, buffers) are in
+ * docs/KERNELS.md. */
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,14 +1,20 @@
-"""The documentation cannot drift from the PTX (CPU only, no CUDA).
+"""The documentation cannot drift from the PTX, and stands alone (CPU only, no CUDA).
 
-docs/ABI.md, section "Kernel entry points", has one subsection per shipped kernel and
-per linkable device function (``// FUNC`` headers), headed by its name, holding a
-markdown table with the columns ``off | size | type | name | meaning``: its rows must be
-the PARAMS rows of that PTX file's header (``ptxdoc.parse_header``), in order, field for
-field. The layout tables of the send functions' structs (``off | size | type | field |
-meaning``) must be ``abi.P3SendCtx`` and ``P3_SEND_ACCT_SIZE``. docs/PROTOCOL.md must
-name every shipped entry and function. The tables are parsed as markdown (cells split on
-unescaped ``|``, backticks and backslash escapes removed, whitespace collapsed), so
-formatting may change freely while the content may not.
+docs/KERNELS.md has one level-2 section per shipped kernel and per linkable device
+function (``// FUNC`` headers), headed by its name, holding a markdown table with the
+columns ``off | size | type | name | meaning``: its rows must be the PARAMS rows of that
+PTX file's header (``ptxdoc.parse_header``), in order, field for field. The layout
+tables of the send functions' structs (``off | size | type | field | meaning``) must be
+``abi.P3SendCtx`` and ``P3_SEND_ACCT_SIZE``. docs/ABI.md holds the struct only.
+docs/PROTOCOL.md must name every shipped entry and function. The tables are parsed as
+markdown (cells split on unescaped ``|``, backticks and backslash escapes removed,
+whitespace collapsed), so formatting may change freely while the content may not.
+
+The repository stands alone: docs/README.md lists every document, every ``docs/<doc>.md``
+named anywhere exists (and a quoted section title after it is one of its headings),
+every ``p3send/...`` path named in the docs exists, and nothing cites the design notes
+the project was specified from. The register argument of docs/PROTOCOL.md ("Scheduling
+on one GPU") is checked against the assembler's numbers.
 """
 from __future__ import annotations
 
@@ -17,14 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from p3send.cuda import ptxdoc
-from p3send.ops import send as send_ops
+from p3send import kernels, ptxdoc
 
 ROOT = Path(__file__).resolve().parents[2]
 PTX_DIR = ROOT / "ptx"
-ABI = ROOT / "docs" / "ABI.md"
-PROTOCOL = ROOT / "docs" / "PROTOCOL.md"
-KERNEL_HEADING = "## Kernel entry points"
+DOCS = ROOT / "docs"
+ABI = DOCS / "ABI.md"
+KERNELS = DOCS / "KERNELS.md"
+PROTOCOL = DOCS / "PROTOCOL.md"
 PARAM_COLUMNS = ["off", "size", "type", "name", "meaning"]
 KNOWN_ENTRIES = {"p3_abi_echo", "p3_scatter_send", "p3_recv_reduce", "p3_epilogue_send", "p3_pingpong"}
 KNOWN_FUNCS = {"p3_send_rows", "p3_send_flush"}
@@ -76,18 +82,9 @@ def md_tables(text: str) -> list[list[list[str]]]:
     return tables
 
 
-def kernel_section(doc: str) -> str:
-    """The text under ``## Kernel entry points`` up to the next level-2 heading."""
-    m = re.search(rf"^{re.escape(KERNEL_HEADING)}[ \t]*$", doc, flags=re.M)
-    assert m, f"docs/ABI.md has no '{KERNEL_HEADING}' heading"
-    rest = doc[m.end():]
-    nxt = re.search(r"^## ", rest, flags=re.M)
-    return rest[: nxt.start()] if nxt else rest
-
-
 def kernel_subsection(section: str, entry: str) -> str | None:
-    """The ``### ...`` subsection whose heading names ``entry`` (as a whole word)."""
-    heads = list(re.finditer(r"^### (.*)$", section, flags=re.M))
+    """The ``## ...`` section of docs/KERNELS.md whose heading names ``entry`` (as a whole word)."""
+    heads = list(re.finditer(r"^## (.*)$", section, flags=re.M))
     for i, h in enumerate(heads):
         if re.search(rf"(?<![\w]){re.escape(entry)}(?![\w])", h.group(1)):
             end = heads[i + 1].start() if i + 1 < len(heads) else len(section)
@@ -98,9 +95,9 @@ def kernel_subsection(section: str, entry: str) -> str | None:
 def documented_params(section: str, entry: str) -> list[list[str]]:
     """The rows of ``entry``'s parameter table (the one table with PARAM_COLUMNS)."""
     sub = kernel_subsection(section, entry)
-    assert sub is not None, f"docs/ABI.md '{KERNEL_HEADING}' has no '### {entry}' subsection"
+    assert sub is not None, f"docs/KERNELS.md has no '## {entry}' section"
     tables = [t for t in md_tables(sub) if t and [c.lower() for c in t[0]] == PARAM_COLUMNS]
-    assert len(tables) == 1, (f"docs/ABI.md, {entry}: expected one table with columns "
+    assert len(tables) == 1, (f"docs/KERNELS.md, {entry}: expected one table with columns "
                               f"{' | '.join(PARAM_COLUMNS)}, found {len(tables)}")
     return tables[0][1:]
 
@@ -123,11 +120,11 @@ def abi_doc() -> str:
 
 
 @pytest.fixture(scope="module")
-def section(abi_doc) -> str:
-    return kernel_section(abi_doc)
+def section() -> str:
+    return KERNELS.read_text()
 
 
-# ---------------------------------------------------------------- docs/ABI.md
+# ---------------------------------------------------------------- docs/KERNELS.md
 
 def test_every_known_kernel_is_shipped_and_documented_in_its_ptx():
     # Guards the parametrised tests below against an empty list (a renamed directory,
@@ -147,17 +144,18 @@ def test_every_known_function_is_shipped_and_documented_in_its_ptx():
         assert [p.name for p in func.params[:3]] == ["cfg", "ctx", "acct"], name
 
 
-def test_kernel_section_is_the_last_section(abi_doc):
-    heads = re.findall(r"^## .*$", abi_doc, flags=re.M)
-    assert heads.count(KERNEL_HEADING) == 1, heads
-    assert heads[-1] == KERNEL_HEADING, f"sections after '{KERNEL_HEADING}': {heads[heads.index(KERNEL_HEADING) + 1:]}"
+def test_abi_doc_is_the_struct_only(abi_doc):
+    # The split: launch contracts live in docs/KERNELS.md, not in docs/ABI.md as well.
+    assert not [t for t in md_tables(abi_doc) if t and [c.lower() for c in t[0]] == PARAM_COLUMNS]
+    assert not re.findall(r"^#+ `p3_\w+`", abi_doc, flags=re.M)
+    assert "docs/KERNELS.md" in abi_doc
 
 
 @pytest.mark.parametrize("fname,entry", SHIPPED + FUNCS, ids=IDS + FUNC_IDS)
 def test_param_table_matches_the_ptx_header(section, fname, entry):
     rows = documented_params(section, entry.name)
     problems = param_drift(entry, rows)
-    assert not problems, f"docs/ABI.md table of {entry.name} differs from {fname}:\n" + "\n".join(problems)
+    assert not problems, f"docs/KERNELS.md table of {entry.name} differs from {fname}:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("fname,entry", SHIPPED + FUNCS, ids=IDS + FUNC_IDS)
@@ -166,31 +164,31 @@ def test_param_meanings_match_the_ptx_header(section, fname, entry):
     got = {r[3]: r[4] for r in rows if len(r) == 5}
     drift = [f"{p.name}:\n  PTX:  {_norm(p.meaning)}\n  docs: {got.get(p.name)}"
              for p in entry.params if got.get(p.name) != _norm(p.meaning)]
-    assert not drift, f"docs/ABI.md meanings of {entry.name} differ from {fname}:\n" + "\n".join(drift)
+    assert not drift, f"docs/KERNELS.md meanings of {entry.name} differ from {fname}:\n" + "\n".join(drift)
 
 
 def test_documented_kernels_are_shipped(section):
     # A kernel removed from ptx/ must not leave a stale subsection behind.
-    named = re.findall(r"^### `(p3_\w+)`", section, flags=re.M)
+    named = re.findall(r"^## `(p3_\w+)`", section, flags=re.M)
     assert set(named) == set(IDS) | set(FUNC_IDS), f"subsections {named}, shipped {IDS + FUNC_IDS}"
 
 
 def _struct_table(section: str, first_field: str) -> list[list[str]]:
     tables = [t for t in md_tables(section) if t and [c.lower() for c in t[0]] == STRUCT_COLUMNS
               and len(t) > 1 and t[1][3] == first_field]
-    assert len(tables) == 1, f"docs/ABI.md: expected one struct table starting with {first_field}, found {len(tables)}"
+    assert len(tables) == 1, f"docs/KERNELS.md: expected one struct table starting with {first_field}, found {len(tables)}"
     return tables[0][1:]
 
 
 def test_send_ctx_table_matches_ctypes(section):
-    from p3send.abi.config import P3SendCtx
+    from p3send.abi import P3SendCtx
     rows = _struct_table(section, "count_ptrs")
     want = [[str(getattr(P3SendCtx, n).offset), str(getattr(P3SendCtx, n).size), n] for n, _ in P3SendCtx._fields_]
     assert [[r[0], r[1], r[3]] for r in rows] == want
 
 
 def test_send_acct_table_covers_its_size(section):
-    from p3send.abi.config import P3_SEND_ACCT_SIZE
+    from p3send.abi import P3_SEND_ACCT_SIZE
     rows = _struct_table(section, "expert")
     assert [r[3] for r in rows] == ["expert", "pad", "units", "pair"]
     ends = [int(r[0]) + int(r[1]) for r in rows]
@@ -203,20 +201,20 @@ def test_supported_drivers_name_the_ptx_version_and_target(section, path):
     major, minor = ptxdoc.ptx_version(text)
     target = ptxdoc.ptx_target(text)
     assert f".version {major}.{minor}" in section and f".target {target}" in section, (
-        f"{path.name} is .version {major}.{minor} .target {target}; the kernel section does not say so")
+        f"{path.name} is .version {major}.{minor} .target {target}; docs/KERNELS.md does not say so")
 
 
 def test_flags_agree_between_ptx_launcher_and_docs(section):
     send = next(e for _, e in SHIPPED if e.name == "p3_scatter_send")
     meaning = next(p.meaning for p in send.params if p.name == "flags")
     in_ptx = {name: 1 << int(bit) for bit, name in re.findall(r"bit(\d+)\s+(FLAG_\w+)", meaning)}
-    in_code = {n: getattr(send_ops, n) for n in dir(send_ops) if n.startswith("FLAG_")}
+    in_code = {n: getattr(kernels, n) for n in dir(kernels) if n.startswith("FLAG_")}
     sub = kernel_subsection(section, "p3_scatter_send")
     flag_tables = [t for t in md_tables(sub) if t and [c.lower() for c in t[0][:3]] == ["bit", "value", "name"]]
-    assert len(flag_tables) == 1, "docs/ABI.md p3_scatter_send: expected one flags table (bit | value | name | ...)"
+    assert len(flag_tables) == 1, "docs/KERNELS.md p3_scatter_send: expected one flags table (bit | value | name | ...)"
     in_docs = {r[2]: int(r[1]) for r in flag_tables[0][1:]}
     assert all(int(r[1]) == 1 << int(r[0]) for r in flag_tables[0][1:]), flag_tables[0]
-    assert in_ptx == in_code == in_docs, f"PTX header {in_ptx}, loader.py {in_code}, docs {in_docs}"
+    assert in_ptx == in_code == in_docs, f"PTX header {in_ptx}, kernels.py {in_code}, docs {in_docs}"
 
 
 # ---------------------------------------------------------------- the matcher itself
@@ -263,8 +261,98 @@ def test_protocol_cites_only_existing_ptx_labels():
     # a renamed label must not leave a dangling reference.
     text = PROTOCOL.read_text()
     cited = re.findall(r"`ptx/(\w+\.ptx)` \(([^)]*)\)", text)
-    assert cited, "docs/PROTOCOL.md cites no PTX labels (expected its SPEC table to)"
+    assert cited, "docs/PROTOCOL.md cites no PTX labels (expected its 'Where each part is implemented' table to)"
     missing = [f"{fname}: {label}" for fname, inner in cited
                for label in re.findall(r"`([A-Z][A-Z0-9_]*)`", inner)
                if not re.search(rf"^{label}:", (PTX_DIR / fname).read_text(), flags=re.M)]
     assert not missing, "docs/PROTOCOL.md cites labels that the PTX no longer has:\n" + "\n".join(missing)
+
+
+# ---------------------------------------------------------------- the docs stand alone
+
+TEXT_SUFFIXES = {".md", ".py", ".ptx", ".h", ".sh", ".toml", ".txt"}
+
+
+def _project_texts():
+    """(relative path, text) of the project's own text files (not build or venv output)."""
+    skip = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", ".hypothesis", "results"}
+    for path in sorted(ROOT.rglob("*")):
+        rel = path.relative_to(ROOT)
+        if (path.is_file() and path.suffix in TEXT_SUFFIXES and not skip & set(rel.parts)
+                and not any(part.endswith(".egg-info") for part in rel.parts)):
+            yield rel.as_posix(), path.read_text(errors="replace")
+
+
+def _headings(doc: Path) -> list[str]:
+    return [_norm(h) for h in re.findall(r"^#+ (.*)$", doc.read_text(), flags=re.M)]
+
+
+def test_docs_readme_lists_every_document():
+    index = (DOCS / "README.md").read_text()
+    files = [p.name for p in sorted(DOCS.iterdir()) if p.is_file() and p.name != "README.md"]
+    missing = [f for f in files if f"`{f}`" not in index]
+    assert not missing, f"docs/README.md does not list {missing}"
+
+
+def test_cited_documents_and_sections_exist():
+    # `docs/<doc>.md` anywhere must exist; `docs/<doc>.md`, "Title" must name one of its
+    # headings; `docs/<doc>.md` §N (or "section N") must have a heading "N. ...".
+    problems = []
+    for rel, text in _project_texts():
+        flat = " ".join(text.split())
+        for m in re.finditer(r"docs/([\w.-]+\.md)`?(?:,? \"([^\"]+)\"| (?:§|section )(\d+))?", flat):
+            doc = DOCS / m.group(1)
+            if not doc.exists():
+                problems.append(f"{rel}: cites docs/{m.group(1)}, which does not exist")
+                continue
+            heads = _headings(doc)
+            if m.group(2) and not any(_norm(m.group(2)) in h for h in heads):
+                problems.append(f"{rel}: docs/{m.group(1)} has no heading \"{m.group(2)}\"")
+            if m.group(3) and not any(h.startswith(f"{m.group(3)}.") for h in heads):
+                problems.append(f"{rel}: docs/{m.group(1)} has no section {m.group(3)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_cited_package_paths_exist():
+    # Module paths named in the docs move with refactors; a stale one must fail here.
+    texts = [("README.md", (ROOT / "README.md").read_text())]
+    texts += [(f"docs/{p.name}", p.read_text()) for p in sorted(DOCS.glob("*.md"))]
+    stale = [f"{rel}: {path}" for rel, text in texts
+             for path in sorted(set(re.findall(r"(?<![\w/])((?:p3send|ptx|tests|tools)/[\w/]+\.(?:py|ptx|h|sh))", text)))
+             if not (ROOT / path).exists()]
+    assert not stale, "the docs name files that do not exist:\n" + "\n".join(stale)
+
+
+def test_nothing_cites_the_design_notes_outside_the_repository():
+    # The protocol is docs/PROTOCOL.md; the notes the project was specified from are not
+    # part of it. (The pattern is built so that this file does not match itself.)
+    pattern = re.compile(r"\b" + "SP" + r"EC\b|\b(?:" + "SP" + "EC|ANCH" + "ORS|CUDA_" + r"NOTES)\.md\b")
+    hits = [f"{rel}:{i}: {line.strip()}" for rel, text in _project_texts()
+            for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+    assert not hits, "references to documents outside the repository:\n" + "\n".join(hits)
+
+
+def test_a_send_cta_leaves_no_room_for_a_receive_cta():
+    # docs/PROTOCOL.md, "Scheduling on one GPU": a 1024-thread send CTA and a 256-thread
+    # receive CTA must not fit in one SM's 64 K registers together (registers are
+    # allocated per warp, in units of 8 per thread), for the numbers the JIT gives.
+    from p3send.errors import P3SendError
+    try:
+        from p3send.cli import ptxcheck
+    except ImportError:
+        from p3send import ptxcheck
+
+    def regs(name: str) -> int:
+        path = PTX_DIR / f"{name}.ptx"
+        try:
+            r = ptxcheck.assemble(path.read_text(), path.name, "sm_90")
+        except P3SendError as e:
+            pytest.skip(str(e))
+        assert r.problems() == [], r.problems()
+        return next(f.regs for f in r.functions if f.name == name)
+
+    send, recv = regs("p3_scatter_send"), regs("p3_recv_reduce")
+    alloc = lambda n: -(-n // 8) * 8
+    assert alloc(send) * 1024 + alloc(recv) * 256 > 65536, (
+        f"send {send} and receive {recv} registers per thread: a receive CTA now fits beside a send "
+        f"CTA; update docs/PROTOCOL.md, 'Scheduling on one GPU'")
