@@ -1,7 +1,7 @@
 /*
  * p3send.h: the ABI of Modular MAX's P3PeerSendConfig, for C and C++ runtimes.
  *
- * The normative description is docs/ABI.md; p3send/abi.py (FIELDS) is the table this
+ * The normative description is docs/ABI.md; p3send/abi/config.py (FIELDS) is the table this
  * header is tested against. 184 bytes, alignment 8, little-endian, no padding.
  * Every device address is a uint64_t (never a host pointer type, whose size and
  * meaning differ between host and device). The struct is passed BY VALUE as the
@@ -124,7 +124,7 @@ static inline P3PeerSendConfig p3_config_disabled(void)
 /* In-epilogue send: the linkable device functions of ptx/p3_send_rows.ptx   */
 /* ======================================================================== */
 /* p3send's own launch state and per-warp accounting beside the ABI struct (not part of
- * MAX's ABI). Layouts as in the header of ptx/p3_send_rows.ptx and p3send/abi.py
+ * MAX's ABI). Layouts as in the header of ptx/p3_send_rows.ptx and p3send/abi/config.py
  * (P3SendCtx, P3_SEND_ACCT_SIZE); docs/EMBEDDING.md shows them in use. */
 
 /* P3SendCtx.flags (the same bits as p3_scatter_send's flags parameter). */

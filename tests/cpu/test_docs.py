@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from p3send import kernels, ptxdoc
+from p3send.cuda import loader, ptxdoc
+from p3send.ops import send as send_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 PTX_DIR = ROOT / "ptx"
@@ -181,14 +182,14 @@ def _struct_table(section: str, first_field: str) -> list[list[str]]:
 
 
 def test_send_ctx_table_matches_ctypes(section):
-    from p3send.abi import P3SendCtx
+    from p3send.abi.config import P3SendCtx
     rows = _struct_table(section, "count_ptrs")
     want = [[str(getattr(P3SendCtx, n).offset), str(getattr(P3SendCtx, n).size), n] for n, _ in P3SendCtx._fields_]
     assert [[r[0], r[1], r[3]] for r in rows] == want
 
 
 def test_send_acct_table_covers_its_size(section):
-    from p3send.abi import P3_SEND_ACCT_SIZE
+    from p3send.abi.config import P3_SEND_ACCT_SIZE
     rows = _struct_table(section, "expert")
     assert [r[3] for r in rows] == ["expert", "pad", "units", "pair"]
     ends = [int(r[0]) + int(r[1]) for r in rows]
@@ -208,13 +209,13 @@ def test_flags_agree_between_ptx_launcher_and_docs(section):
     send = next(e for _, e in SHIPPED if e.name == "p3_scatter_send")
     meaning = next(p.meaning for p in send.params if p.name == "flags")
     in_ptx = {name: 1 << int(bit) for bit, name in re.findall(r"bit(\d+)\s+(FLAG_\w+)", meaning)}
-    in_code = {n: getattr(kernels, n) for n in dir(kernels) if n.startswith("FLAG_")}
+    in_code = {n: getattr(send_ops, n) for n in dir(send_ops) if n.startswith("FLAG_")}
     sub = kernel_subsection(section, "p3_scatter_send")
     flag_tables = [t for t in md_tables(sub) if t and [c.lower() for c in t[0][:3]] == ["bit", "value", "name"]]
     assert len(flag_tables) == 1, "docs/KERNELS.md p3_scatter_send: expected one flags table (bit | value | name | ...)"
     in_docs = {r[2]: int(r[1]) for r in flag_tables[0][1:]}
     assert all(int(r[1]) == 1 << int(r[0]) for r in flag_tables[0][1:]), flag_tables[0]
-    assert in_ptx == in_code == in_docs, f"PTX header {in_ptx}, kernels.py {in_code}, docs {in_docs}"
+    assert in_ptx == in_code == in_docs, f"PTX header {in_ptx}, p3send/ops/send.py {in_code}, docs {in_docs}"
 
 
 # ---------------------------------------------------------------- the matcher itself
@@ -336,11 +337,8 @@ def test_a_send_cta_leaves_no_room_for_a_receive_cta():
     # docs/PROTOCOL.md, "Scheduling on one GPU": a 1024-thread send CTA and a 256-thread
     # receive CTA must not fit in one SM's 64 K registers together (registers are
     # allocated per warp, in units of 8 per thread), for the numbers the JIT gives.
-    from p3send.errors import P3SendError
-    try:
-        from p3send.cli import ptxcheck
-    except ImportError:
-        from p3send import ptxcheck
+    from p3send.abi.errors import P3SendError
+    from p3send.cli import ptxcheck
 
     def regs(name: str) -> int:
         path = PTX_DIR / f"{name}.ptx"
