@@ -8,6 +8,7 @@ own guess of C's rules; Mojo has no compiler here, so its (simple) rules are mod
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import io
@@ -282,118 +283,309 @@ def compare(layout: Layout) -> list[str]:
 
 _CXX_SUFFIXES = {".hpp", ".hh", ".hxx", ".h++", ".cpp", ".cc", ".cxx", ".cu", ".cuh"}
 _C_SUFFIXES = {".h", ".c"} | _CXX_SUFFIXES
+_PAIRS = {"{": "}", "(": ")", "[": "]"}
 
 
-def _strip_c_comments(text: str) -> str:
-    # Keep newlines so that nothing else shifts; strings with "//" inside are rare in headers.
-    text = re.sub(r"/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
-    return re.sub(r"//[^\n]*", "", text)
-
-
-def _match_brace(text: str, open_at: int) -> int:
+def _match(text: str, at: int) -> int:
+    """Index of the bracket that closes the one at ``text[at]``, or -1."""
+    opening, closing = text[at], _PAIRS[text[at]]
     depth = 0
-    for i in range(open_at, len(text)):
-        if text[i] == "{":
+    for i in range(at, len(text)):
+        if text[i] == opening:
             depth += 1
-        elif text[i] == "}":
+        elif text[i] == closing:
             depth -= 1
             if depth == 0:
                 return i
     return -1
 
 
-_ATTR_ONE = r"(?:__attribute__\s*\(\(.*?\)\)|alignas\s*\([^)]*\)|_Alignas\s*\([^)]*\)|__declspec\s*\([^)]*\))\s*"
-_ATTR = f"(?:{_ATTR_ONE})*"
+def _blank(s: str) -> str:
+    return re.sub(r"[^\n]", " ", s)
 
 
-def _find_c_struct(text: str, name: str) -> tuple[str, str] | None:
-    """(type expression, body) of struct ``name`` in comment-free C text, or None.
+_LEXEMES = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])\'', flags=re.DOTALL)
+_ATTRIBUTE = re.compile(r"\b(?:__attribute__|__declspec|alignas|_Alignas|__align__)\s*\(|\[\[")
 
-    Handles ``struct Name {...};``, ``typedef struct [Tag] {...} Name;`` and
-    ``typedef struct Tag Name;`` with ``struct Tag {...}`` elsewhere.
+
+def _clean_c(text: str) -> str:
+    """``text`` with comments, literals, preprocessor lines and attributes blanked out.
+
+    Every offset and line stays where it was; what is left names and nests things
+    (``extern "C"`` keeps its string). The compiler sees the real text, this is only
+    for finding the struct and its member names.
     """
-    m = re.search(rf"\bstruct\s+{_ATTR}{name}\s*{_ATTR}(?:final\s*)?\{{", text)
-    if m:
-        end = _match_brace(text, m.end() - 1)
-        if end > 0:
-            return f"struct {name}", text[m.end():end]
-    for m in re.finditer(rf"\btypedef\s+struct\s+{_ATTR}(\w+\s*)?{_ATTR}\{{", text):
-        end = _match_brace(text, m.end() - 1)
-        if end > 0 and re.match(rf"\s*{_ATTR}{name}\s*{_ATTR};", text[end + 1:]):
-            return name, text[m.end():end]
-    m = re.search(rf"\btypedef\s+struct\s+(\w+)\s+{name}\s*;", text)
-    if m and m.group(1) != name:
-        found = _find_c_struct(text, m.group(1))
-        if found:
-            return name, found[1]
+    def lexeme(m):
+        s = m.group()
+        if s in ('"C"', '"C++"'):
+            return s
+        return s[0] + _blank(s[1:-1]) + s[-1] if s[0] in "\"'" else _blank(s)
+
+    text = _LEXEMES.sub(lexeme, text)
+    text = re.sub(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", lambda m: _blank(m.group()), text,
+                  flags=re.MULTILINE)
+    parts, pos = [], 0
+    while m := _ATTRIBUTE.search(text, pos):
+        if m.group() == "[[":
+            end = text.find("]]", m.end())
+            end = len(text) if end < 0 else end + 2
+        else:
+            close = _match(text, m.end() - 1)
+            end = len(text) if close < 0 else close + 1
+        parts += [text[pos:m.start()], _blank(text[m.start():end])]
+        pos = end
+    return "".join(parts) + text[pos:]
+
+
+@dataclass(frozen=True)
+class _CStruct:
+    """A struct or class of a header: its definition, or a forward declaration (no body)."""
+    scope: tuple[str, ...]   # enclosing namespaces and classes, outermost first
+    name: str                # the tag, or the typedef name
+    body: str | None
+    keyword: str             # "struct" or "class": the default access of the members
+    typedef: bool            # named by a typedef (C writes it without `struct`)
+    base: str = ""           # the base-class clause, "" if none
+    unclosed_at: int = 0     # the line of its '{' when no '}' closes it (#if branches), else 0
+
+    @property
+    def qualname(self) -> str:
+        return "::".join((*self.scope, self.name))
+
+
+_C_SCAN = re.compile(
+    r"\b(?:inline\s+)?namespace\b\s*(?P<ns>[\w:\s]*?)\s*\{"
+    r'|\bextern\s*"C(?:\+\+)?"\s*\{'
+    r"|\b(?P<td>typedef\s+)?(?P<kw>struct|class|union|enum)\b\s*(?:class\b|struct\b)?\s*"
+    r"(?P<tag>\w+)?\s*(?:final\b\s*)?(?P<base>:(?!:)[^;{}]*)?\{"
+    r"|\btypedef\s+(?:struct|class)\s+(?P<alias_of>\w+)\s+(?P<alias>\w+)\s*;"
+    r"|\b(?:struct|class)\s+(?P<fwd>\w+)\s*;"
+    r"|\{")
+
+
+def _c_structs(text: str) -> list[_CStruct]:
+    """Every struct/class of comment-free C/C++ text, with its namespace and class scope.
+
+    Understands namespaces (nested, ``a::b``, inline, anonymous), ``extern "C"``,
+    ``struct Name {...}``, ``class Name {...}``, ``typedef struct [Tag] {...} Name;``,
+    ``typedef struct Tag Name;``, nested classes and forward declarations; function
+    bodies and initialisers are skipped.
+    """
+    found: list[_CStruct] = []
+    aliases: list[tuple[tuple[str, ...], str, str]] = []
+
+    def scan(lo: int, hi: int, scope: tuple[str, ...]) -> None:
+        pos = lo
+        while m := _C_SCAN.search(text, pos, hi):
+            if not m.group().endswith("{"):
+                if m.group("alias"):
+                    aliases.append((scope, m.group("alias_of"), m.group("alias")))
+                else:
+                    found.append(_CStruct(scope, m.group("fwd"), None, "struct", False))
+                pos = m.end()
+                continue
+            close = _match(text, m.end() - 1)
+            unclosed_at = 0
+            if close < 0 or close > hi:   # braces opened in two #if branches
+                if m.group() == "{":   # a block: look on inside it, as if it had no brace
+                    pos = m.end()
+                    continue
+                close, unclosed_at = hi, text.count("\n", 0, m.end()) + 1   # the rest is inside
+            if m.group("ns") is not None:
+                scan(m.end(), close, scope + tuple(
+                    p.strip() for p in m.group("ns").split("::") if p.strip()))
+            elif m.group().startswith("extern"):
+                scan(m.end(), close, scope)
+            elif m.group("kw") in ("struct", "class"):
+                names = [(m.group("tag"), False)] if m.group("tag") else []
+                tail = re.match(r"([^;{}]*);", text[close + 1:hi]) if m.group("td") else None
+                if tail:
+                    names += [(n, True) for n in re.findall(r"(?:^|,)\s*(\w+)\s*(?=,|$)", tail.group(1))]
+                body, base = text[m.end():close], (m.group("base") or ":")[1:].strip()
+                found.extend(_CStruct(scope, n, body, m.group("kw"), td, base, unclosed_at) for n, td in names)
+                if names:
+                    scan(m.end(), close, (*scope, names[0][0]))   # nested types
+            pos = close + 1
+
+    scan(0, len(text), ())
+    for scope, tag, name in aliases:   # typedef struct Tag Name;
+        targets = [s for s in found if s.body is not None and s.name == tag and not s.typedef]
+        target = next((s for s in targets if s.scope == scope), targets[0] if targets else None)
+        if target and tag != name:
+            found.append(_CStruct(scope, name, target.body, target.keyword, True, target.base,
+                                  target.unclosed_at))
+    return found
+
+
+def _pick_c_struct(path: Path, structs: list[_CStruct], asked: str) -> list[_CStruct]:
+    """The definitions ``asked`` (``Name`` or ``ns::Name``) names, all of one qualified name.
+
+    A full name matches exactly; otherwise the trailing components must match
+    (``P3PeerSendConfig`` finds ``max::ep::P3PeerSendConfig``) and only one may.
+    """
+    want = tuple(p.strip() for p in asked.strip().removeprefix("::").split("::"))
+    defs = [s for s in structs if s.body is not None]
+    hits = [s for s in defs if (*s.scope, s.name) == want] or \
+        [s for s in defs if (*s.scope, s.name)[-len(want):] == want]
+    if not hits:
+        if any((*s.scope, s.name)[-len(want):] == want for s in structs):
+            raise DeclarationError(path, f"struct {asked!r} is only declared here, not defined: "
+                                   "conform needs the definition, with its members")
+        seen = sorted({s.qualname for s in defs})
+        raise DeclarationError(path, f"no struct {asked!r} found (structs seen: {', '.join(seen) or 'none'})")
+    names = sorted({s.qualname for s in hits})
+    if len(names) > 1:
+        raise DeclarationError(path, f"struct {asked!r} is ambiguous ({', '.join(names)}): "
+                               "pass --struct with the full name")
+    return hits
+
+
+_ACCESS = re.compile(r"(?<!:)\b(public|private|protected)\s*:(?!:)")
+_CTOR_INIT = re.compile(r"\s*(?:noexcept\b\s*(?:\([^()]*\))?\s*)?:(?!:)")   # `S(int a) noexcept : x(a)`
+_TYPE_OPERATORS = {"decltype", "typeof", "__typeof__", "_Atomic", "sizeof", "alignof"}
+_NOT_DATA = re.compile(r"\b(?:static|typedef|using|friend|template|static_assert|_Static_assert)\b")
+
+
+def _access(decl: str, public: bool) -> tuple[bool, str]:
+    """The access in force after ``decl``'s ``public:``/``private:`` labels, and ``decl`` without them."""
+    for m in _ACCESS.finditer(decl):
+        public = m.group(1) == "public"
+    return public, _ACCESS.sub(" ", decl)
+
+
+def _after_parameters(text: str) -> str | None:
+    """What follows the parameter list when ``text`` starts like a function, else None.
+
+    ``int f(int) const`` -> `` const``; ``S() : a(1), b`` -> `` : a(1), b``; data
+    members (``int x = f(1)``, ``void (*cb)(int)``, ``decltype(x) y``) -> None.
+    """
+    if re.search(r"\boperator\b", text):
+        return ""
+    depth = 0
+    for i, c in enumerate(text):
+        if c == "<":
+            depth += 1
+        elif c == ">":
+            depth = max(0, depth - 1)
+        elif depth:
+            continue
+        elif c in "={[":
+            return None
+        elif c == "(":
+            before = re.search(r"(\w+)\s*$", text[:i])
+            if not before or before.group(1) in _TYPE_OPERATORS or re.match(r"\s*[*&^]", text[i + 1:]):
+                return None
+            close = _match(text, i)
+            return text[close + 1:] if close >= 0 else ""
     return None
 
 
-_NOT_DATA = {"static_assert", "_Static_assert", "static", "typedef", "using", "friend", "template"}
+def _is_function(text: str) -> bool:
+    """Whether a member declaration (or the text before a ``{``) declares a function."""
+    rest = _after_parameters(text)
+    if rest is None:
+        return False
+    if _CTOR_INIT.match(rest) or "->" in rest:   # constructor initialisers, trailing return
+        return True
+    rest = re.sub(r"\((?:[^()]|\([^()]*\))*\)|\b(?:const|volatile|override|final|noexcept|throw"
+                  r"|default|delete|0)\b|[&=]", " ", rest)
+    # What is left are macros (`P3_NOEXCEPT`); two names would be a type and a member
+    # (`ALIGNED(8) uint64_t x`).
+    return len(re.findall(r"[A-Za-z_]\w*", rest)) < 2 and not re.search(r"[\[{]", rest)
 
 
-def _c_member_names(body: str) -> list[tuple[str, int]]:
-    """(name, array rank) of each data member of a struct body, in order.
+def _c_declarations(body: str, public: bool) -> list[tuple[bool, str]]:
+    """The declarations of a struct body, each with whether it is public.
 
-    Members of anonymous nested structs/unions are members of the outer struct (C11),
-    so they are listed; a named nested aggregate is one member.
+    Split at the top-level ``;``; inline function bodies (member functions,
+    constructors with initialiser lists) are dropped, other braces (nested
+    aggregates, ``= {}``, ``x{-1}``) stay part of their declaration.
     """
-    out, decls, start, i = [], [], 0, 0
+    out, start, i = [], 0, 0
     while i < len(body):
         if body[i] == "{":
-            close = _match_brace(body, i)
+            close = _match(body, i)
             if close < 0:
                 raise ValueError("unbalanced braces in the struct body")
-            if re.search(r"\)\s*(const|noexcept|override|final|\s)*$", body[start:i]):
-                start = close + 1   # an inline member function (C++): no data
+            head = _access(body[start:i], public)[1]
+            rest = _after_parameters(head)
+            ctor = rest is not None and _CTOR_INIT.match(rest)
+            if (ctor and re.search(r"[)}]\s*$", head)) or (not ctor and _is_function(head)):
+                public = _access(body[start:i], public)[0]
+                start = close + 1
             i = close
         elif body[i] == ";":
-            decls.append(body[start:i])
+            public, decl = _access(body[start:i], public)
+            out.append((public, decl.strip()))
             start = i + 1
         i += 1
-    for d in decls:
-        d = re.sub(r"^\s*#.*$", "", d, flags=re.M)
-        d = re.sub(r"\b(public|private|protected)\s*:", "", d)
-        d = re.sub(_ATTR_ONE, " ", d).strip()
-        if not d or d.split()[0].split("(")[0] in _NOT_DATA:
-            continue
-        if "{" in d:
-            inner_open = d.index("{")
-            inner_close = _match_brace(d, inner_open)
-            tail = d[inner_close + 1:].strip()
-            if not tail:   # anonymous struct/union: its members belong to us
-                out += _c_member_names(d[inner_open + 1:inner_close])
-                continue
-            d = "aggregate " + tail
-        if re.search(r"\)\s*(const|noexcept|override|final|=\s*\w+|\s)*$", d) \
-                and not re.search(r"\(\s*\*", d):
-            continue   # a member function declaration (C++), not data
-        for decl in _split_top(d):
-            decl = decl.split("=")[0].strip()   # C++ default member initialisers
-            if re.search(r"[^:]:\s*\w+\s*$", decl):
-                raise ValueError(f"bit-field {decl!r}: its layout cannot be checked by offsetof")
-            fm = re.search(r"\(\s*\*\s*(\w+)\s*\)", decl)
-            if fm:
-                out.append((fm.group(1), 0))
-                continue
-            dm = re.search(r"(\w+)\s*((?:\[[^\]]*\]\s*)*)$", decl)
-            if dm:
-                out.append((dm.group(1), dm.group(2).count("[")))
     return out
 
 
 def _split_top(decl: str) -> list[str]:
-    """Split ``int64_t a, b[2]`` into declarators (commas inside brackets stay)."""
+    """Split ``int64_t a, b[2] = {1, 2}`` into declarators (commas inside brackets stay)."""
     parts, depth, cur = [], 0, ""
     for c in decl:
-        depth += c in "([<"
-        depth -= c in ")]>"
+        depth = max(0, depth + (c in "([{<") - (c in ")]}>"))
         if c == "," and depth == 0:
             parts.append(cur)
             cur = ""
         else:
             cur += c
-    return parts + [cur]
+    return [*parts, cur]
+
+
+def _without_initialiser(decl: str) -> str:
+    """``x[8] = {}``, ``x[8]{}``, ``x{-1}``, ``x = -1`` -> ``x[8]``, ``x[8]``, ``x``, ``x``."""
+    depth = 0
+    for i, c in enumerate(decl):
+        if depth == 0 and c in "={":
+            return decl[:i]
+        depth = max(0, depth + (c in "([<") - (c in ")]>"))
+    return decl
+
+
+def _c_member_names(body: str, public: bool = True) -> tuple[list[tuple[str, int]], list[str]]:
+    """(name, array rank) of each data member of a struct body, in order, and the names
+    of the members that are not public.
+
+    Members of anonymous nested structs/unions are members of the outer struct (C11),
+    so they are listed; a named nested aggregate is one member; a nested type
+    declaration, a static member, a member function declares none. ``std::array``
+    counts as an array (rank 1 per level).
+    """
+    out: list[tuple[str, int]] = []
+    hidden: list[str] = []
+    for is_public, d in _c_declarations(body, public):
+        if not d or _NOT_DATA.search(re.split(r"[={(]", d, maxsplit=1)[0]):
+            continue
+        agg = re.match(r"(struct|union|class|enum)\b([^{;=()]*)\{", d)
+        if agg:
+            close = _match(d, agg.end() - 1)
+            tail = d[close + 1:].strip()
+            if not tail:   # no declarator: anonymous members are ours, a named type is not data
+                if agg.group(1) in ("struct", "union") and not agg.group(2).strip():
+                    names, inner = _c_member_names(d[agg.end():close])
+                    out += names
+                    hidden += inner if is_public else [n for n, _ in names]
+                continue
+            d = "aggregate " + tail
+        elif _is_function(d):
+            continue
+        declarators = _split_top(d)
+        type_rank = len(re.findall(r"\barray\s*<", declarators[0]))
+        for decl in declarators:
+            decl = _without_initialiser(decl).strip()
+            if re.search(r"[^:]:\s*\w+\s*$", decl):
+                raise ValueError(f"bit-field {decl!r}: its layout cannot be checked by offsetof")
+            fm = re.search(r"\(\s*\*\s*(\w+)\s*\)", decl)
+            dm = fm or re.search(r"(\w+)\s*((?:\[[^\]]*\]\s*)*)$", decl)
+            if not dm:
+                continue
+            out.append((dm.group(1), 0 if fm else dm.group(2).count("[") + type_rank))
+            if not is_public:
+                hidden.append(dm.group(1))
+    return out, hidden
 
 
 # A probe compiled next to the header: it reports size, alignment and, per member,
@@ -426,6 +618,7 @@ template <class T> static long long p3_cls() {
 #endif
 """
 _CLS_CODES = {"s": "int", "u": "uint", "p": "ptr", "f": "float", "b": "bool", "o": "other"}
+_PROBE_PREFIX = "_p3conform_"
 
 
 def _probe_source(header: Path, type_expr: str, names: list[tuple[str, int]]) -> str:
@@ -443,7 +636,7 @@ def _probe_source(header: Path, type_expr: str, names: list[tuple[str, int]]) ->
                   f"    out[{k + 2}] = P3_CLS({elem});",
                   f"    out[{k + 3}] = {int(rank > 0)};",
                   f"    out[{k + 4}] = (long long)sizeof({elem});"]
-    return "\n".join(lines + ["}"]) + "\n"
+    return "\n".join([*lines, "}"]) + "\n"
 
 
 @contextlib.contextmanager
@@ -476,14 +669,14 @@ def _captured_output(sink: list):
 
 
 def _compile_probe(path: Path, source: str, cplusplus: bool):
-    """Build ``source`` with cffi (API mode) and return its ``p3_layout`` or an error text."""
+    """Build ``source`` with cffi (API mode) and return its ``p3_layout`` or the build log."""
     try:
         import cffi
     except ImportError as e:
         raise DeclarationError(path, f"checking C needs cffi (pip install cffi): {e}") from None
     ffi = cffi.FFI()
     ffi.cdef("void p3_layout(long long *out);")
-    modname = f"_p3conform_{uuid.uuid4().hex}"   # fresh name: extension modules never unload
+    modname = f"{_PROBE_PREFIX}{uuid.uuid4().hex}"   # fresh name: extension modules never unload
     ffi.set_source(modname, source, source_extension=".cpp" if cplusplus else ".c")
     log: list[str] = []
     with tempfile.TemporaryDirectory(prefix="p3conform-") as tmp:
@@ -491,39 +684,95 @@ def _compile_probe(path: Path, source: str, cplusplus: bool):
             with _captured_output(log):
                 so_path = ffi.compile(tmpdir=tmp, verbose=False)
         except (cffi.VerificationError, OSError) as e:
-            return None, f"{e}\n{''.join(log)}".strip()
+            return None, f"{e}\n{''.join(log)}"
         except ImportError as e:   # Python >= 3.12 has no distutils: cffi needs setuptools
             raise DeclarationError(path, f"building the probe needs setuptools: {e}") from None
         spec = importlib.util.spec_from_file_location(modname, so_path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        flags = sys.getdlopenflags() if hasattr(sys, "getdlopenflags") else None
+        try:
+            # Lazy binding: functions the header defines may call what is not linked here.
+            if flags is not None:
+                sys.setdlopenflags(os.RTLD_LAZY | (flags & ~os.RTLD_NOW))
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        except ImportError as e:
+            why = str(e).rpartition(".so: ")[2]
+            raise DeclarationError(path, f"conform's probe built but does not load ({why}): the "
+                                   "header needs a library that is not linked here") from None
+        finally:
+            if flags is not None:
+                sys.setdlopenflags(flags)
     return (ffi, mod.lib.p3_layout), ""
 
 
+_DIAGNOSTIC = re.compile(r"^(?P<file>[^\n:]+):(?P<line>\d+):(?:\d+:)?\s*(?:fatal )?error:\s*(?P<msg>[^\n]*)",
+                         flags=re.MULTILINE)
+
+
+def _first_error(log: str, header: Path) -> str:
+    """The compiler's first error as one line, placed in the header when it is there.
+
+    The rest of a build log (cffi, setuptools, notes, the probe's own source) is noise
+    to the header's author.
+    """
+    def ours(file: str) -> bool:
+        with contextlib.suppress(OSError):
+            return os.path.samefile(file, header)
+        return False
+
+    errors = list(_DIAGNOSTIC.finditer(log))
+    if not errors:
+        lines = [ln.strip() for ln in log.splitlines() if "error" in ln.lower()]
+        return (lines or [ln.strip() for ln in log.splitlines() if ln.strip()] or ["no message"])[0]
+    first = next((m for m in errors if ours(m.group("file"))), errors[0])
+    file = Path(first.group("file")).name
+    where = (f"line {first.group('line')}" if ours(first.group("file"))
+             else "in conform's probe" if file.startswith(_PROBE_PREFIX)
+             else f"{file}:{first.group('line')}")
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first.group('msg').strip()}{more}"
+
+
 def c_layout(path, struct: str = STRUCT) -> Layout:
-    """Lay out ``struct`` of a C/C++ header with the system compiler (cffi API mode)."""
+    """Lay out ``struct`` of a C/C++ header with the system compiler (cffi API mode).
+
+    ``struct`` may be qualified (``max::ep::P3PeerSendConfig``); a plain name finds
+    the struct in whichever namespace holds it.
+    """
     path = Path(path)
     text = _read(path)
-    clean = _strip_c_comments(text)
-    found = _find_c_struct(clean, re.escape(struct))
-    if found is None:
-        names = sorted(set(re.findall(r"\bstruct\s+(\w+)\s*\{", clean))
-                       | set(re.findall(r"\}\s*(\w+)\s*;", clean)))
-        raise DeclarationError(path, f"no struct {struct!r} found (structs seen: {', '.join(names) or 'none'})")
-    type_expr, body = found
+    clean = _clean_c(text)
+    hits = _pick_c_struct(path, _c_structs(clean), struct)
+    s = hits[0]
+    what = f"{s.keyword} {s.qualname}"
+    if s.unclosed_at:
+        raise DeclarationError(path, f"{what}: the '{{' on line {s.unclosed_at} is never closed "
+                               "(or braces differ between #if branches)")
     try:
-        names = _c_member_names(body)
+        parsed = [_c_member_names(h.body, h.keyword == "struct") for h in hits]
     except ValueError as e:
-        raise DeclarationError(path, f"struct {struct}: {e}") from None
+        raise DeclarationError(path, f"{what}: {e}") from None
+    names, hidden = parsed[0]
+    if any(p[0] != names for p in parsed):
+        raise DeclarationError(path, f"{what} is defined {len(hits)} times with different members "
+                               "(under #if?); conform cannot tell which one the compiler sees")
+    if s.base:
+        raise DeclarationError(path, f"{what} derives from {s.base}: conform reads only the members "
+                               f"the {s.keyword} declares itself; declare all {len(FIELDS)} fields in it")
+    if hidden:
+        shown = ", ".join(hidden[:3]) + (f" and {len(hidden) - 3} more" if len(hidden) > 3 else "")
+        raise DeclarationError(path, f"{what}: data member(s) {shown} are not public; conform "
+                               "measures each member with offsetof from outside, so the data members "
+                               "must be public (make it a struct, or add `public:`)")
     if not names:
-        raise DeclarationError(path, f"struct {struct} declares no data members")
-    source = _probe_source(path, type_expr, names)
+        raise DeclarationError(path, f"{what} declares no data members")
     # Headers are mostly C; try the language the file looks like first, then the other.
-    looks_cxx = path.suffix.lower() in _CXX_SUFFIXES or re.search(
-        r"\b(namespace|template|class|constexpr)\b|#include\s*<c\w+>", clean)
+    looks_cxx = path.suffix.lower() in _CXX_SUFFIXES or s.scope or s.keyword == "class" \
+        or re.search(r"\b(namespace|template|class|constexpr)\b", clean) or re.search(r"#include\s*<c\w+>", text)
+    type_exprs = {True: f"::{s.qualname}", False: s.name if s.typedef else f"struct {s.name}"}
     first_error = None
     for cplusplus in ((True, False) if looks_cxx else (False, True)):
-        built, err = _compile_probe(path, source, cplusplus)
+        built, log = _compile_probe(path, _probe_source(path, type_exprs[cplusplus], names), cplusplus)
         if built:
             ffi, fn = built
             out = ffi.new("long long[]", 2 + 5 * len(names))
@@ -533,17 +782,10 @@ def c_layout(path, struct: str = STRUCT) -> Layout:
                        out[k + 1] // out[k + 4] if out[k + 3] else None, out[k + 4])
                 for name, k in ((n, 2 + 5 * i) for i, (n, _) in enumerate(names))),
                 out[0], out[1])
-        first_error = first_error or (("C++" if cplusplus else "C"), err)
-    lang, err = first_error
-    raise DeclarationError(path, f"the C compiler rejected it (as C and as C++); as {lang}:\n"
-                           + _errors_only(err))
-
-
-def _errors_only(log: str, limit: int = 12) -> str:
-    """The compiler's ``error:`` lines (the rest is cffi/setuptools noise and our probe)."""
-    lines = [ln.strip() for ln in log.splitlines() if "error" in ln.lower()
-             and not ln.startswith(("CompileError", "distutils", "cffi"))]
-    return "\n".join(lines[:limit]) or log.strip()[-2000:]
+        first_error = first_error or (("C++", "C") if cplusplus else ("C", "C++")) + (log,)
+    lang, other, log = first_error
+    raise DeclarationError(path, f"{what}: the compiler rejects it as {lang} (and as {other}): "
+                           + _first_error(log, path))
 
 
 # --------------------------------------------------------------------------- Mojo
@@ -559,8 +801,8 @@ _MOJO_SCALARS = {
 _DTYPES = {f"DType.{k.lower()}": v for k, v in _MOJO_SCALARS.items() if k not in ("Int", "UInt")}
 _DTYPES.update({"DType.index": (8, "int"), "DType.bool": (1, "bool")})
 _MOJO_POINTERS = {"UnsafePointer", "Pointer", "LegacyUnsafePointer", "OpaquePointer"}
-# C names, accepted in JSON "type" strings written by C-minded tools.
-_C_SCALARS = {f"{u}int{n}_t": (n // 8, "uint" if u else "int") for u in ("", "u") for n in (8, 16, 32, 64)}
+_MOJO_KNOWN = ("Int/UInt/IntN/UIntN/FloatN/Bool, UnsafePointer/Pointer/OpaquePointer/*Ptr, "
+               "StaticTuple/InlineArray[T, N], SIMD[DType.x, N]")
 
 
 def _split_args(s: str) -> list[str]:
@@ -573,35 +815,56 @@ def _split_args(s: str) -> list[str]:
             cur = ""
         else:
             cur += c
-    return parts + [cur.strip()] if cur.strip() else parts
+    return [*parts, cur.strip()] if cur.strip() else parts
 
 
-def _mojo_int(s: str, aliases: dict) -> int:
-    s = s.strip()
-    m = re.fullmatch(r"(?:Int|UInt)\((.+)\)", s)   # MAX writes StaticTuple[..., Int(8)]
-    if m:
-        s = m.group(1).strip()
-    if s in aliases:
-        return _mojo_int(aliases[s], aliases)
-    if re.fullmatch(r"\d+", s):
-        return int(s)
-    raise ValueError(f"cannot evaluate the element count {s!r}")
+_COUNT_OPS = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__,
+              ast.FloorDiv: int.__floordiv__}
+
+
+def _mojo_int(s: str, aliases: dict, _depth: int = 0) -> int:
+    """An element count: a literal, a ``comptime``/``alias`` name of the file, ``Int(...)``,
+    and ``+ - * //`` of those (``StaticTuple[T, Int(N)]``, ``comptime N: Int = 8``)."""
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in aliases:
+                raise ValueError(f"element count {s!r}: {node.id!r} is not a comptime/alias of this file")
+            if _depth > 20:
+                raise ValueError(f"element count {s!r}: the aliases refer to each other in a loop")
+            return _mojo_int(aliases[node.id], aliases, _depth + 1)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("Int", "UInt") and len(node.args) == 1 and not node.keywords:
+            return value(node.args[0])   # MAX writes StaticTuple[..., Int(8)]
+        if isinstance(node, ast.BinOp) and type(node.op) in _COUNT_OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.FloorDiv) and right == 0:
+                raise ValueError(f"element count {s!r} divides by zero")
+            return _COUNT_OPS[type(node.op)](left, right)
+        raise ValueError(f"cannot evaluate the element count {s!r} (known: integers, comptime/alias "
+                         "names of this file, Int(...), + - * //)")
+    try:
+        tree = ast.parse(s.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot evaluate the element count {s!r}") from None
+    return value(tree.body)
 
 
 def mojo_type(t: str, aliases: dict | None = None, _depth: int = 0) -> Member:
     """Size, class and array shape of a Mojo type as laid out on the host (name unset)."""
     aliases = aliases or {}
     t, _ = _split_alias(t.strip())
-    m = re.fullmatch(r"([\w.]+)\s*(?:\[(.*)\])?", t, flags=re.S)
+    m = re.fullmatch(r"([\w.]+)\s*(?:\[(.*)\])?", t, flags=re.DOTALL)
     if not m or _depth > 20:
         raise ValueError(f"cannot parse the type {t!r}")
     head, args = m.group(1), _split_args(m.group(2) or "")
     if head in aliases and not args and head not in _MOJO_SCALARS:
         return mojo_type(aliases[head], aliases, _depth + 1)
-    if head in _MOJO_POINTERS or head.endswith("Ptr") or t.endswith("*"):
+    if head in _MOJO_POINTERS or head.endswith("Ptr"):
         return Member("", 0, 8, "ptr", None, 8)
-    if head in _MOJO_SCALARS or head in _C_SCALARS:
-        size, cls = _MOJO_SCALARS.get(head) or _C_SCALARS[head]
+    if head in _MOJO_SCALARS:
+        size, cls = _MOJO_SCALARS[head]
         return Member("", 0, size, cls, None, size)
     if head in ("Scalar", "SIMD") and args and args[0] in _DTYPES:
         width = _mojo_int(args[1], aliases) if len(args) > 1 else 1
@@ -610,14 +873,31 @@ def mojo_type(t: str, aliases: dict | None = None, _depth: int = 0) -> Member:
     if head in ("StaticTuple", "InlineArray") and len(args) >= 2:
         elem = mojo_type(args[0], aliases, _depth + 1)
         n = _mojo_int(args[1], aliases)
+        if n <= 0:
+            raise ValueError(f"element count {args[1]!r} of {t!r} is {n}, not positive")
         return Member("", 0, elem.size * n, elem.cls, n, elem.size)
-    raise ValueError(f"unknown type {t!r} (known: Int/UInt/IntN/UIntN/FloatN/Bool, "
-                     "UnsafePointer/Pointer/OpaquePointer/*Ptr, StaticTuple/InlineArray[T, N])")
+    raise ValueError(f"unknown type {t!r} (known: {_MOJO_KNOWN})")
 
 
 def _blank_strings(text: str) -> str:
     # Docstrings may sit at any indentation; blank them so they cannot end the struct body.
-    return re.sub(r'("""|\'\'\').*?\1', lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+    return re.sub(r'("""|\'\'\').*?\1', lambda m: re.sub(r"[^\n]", " ", m.group()), text,
+                  flags=re.DOTALL)
+
+
+def _mojo_header_end(path: Path, lines: list[str], start: int) -> int:
+    """Index of the line that ends the ``struct Name(...):`` header opened at ``start``.
+
+    The parameter and trait lists may wrap over lines (``struct S(\\n    Copyable,\\n):``).
+    """
+    text = ""
+    for i in range(start, min(len(lines), start + 100)):
+        text += " " + lines[i].split("#")[0]
+        if text.count("(") + text.count("[") == text.count(")") + text.count("]") \
+                and text.rstrip().endswith(":"):
+            return i
+    raise DeclarationError(path, f"line {start + 1}: the struct's header never ends with ':' "
+                           "(unbalanced brackets in its parameter or trait list?)")
 
 
 def mojo_layout(path, struct: str = STRUCT) -> Layout:
@@ -625,18 +905,18 @@ def mojo_layout(path, struct: str = STRUCT) -> Layout:
     path = Path(path)
     lines = _blank_strings(_read(path)).splitlines()
     aliases = {}
-    for ln in lines:
-        am = re.match(r"\s*(?:alias|comptime)\s+(\w+)\s*(?:\[.*?\])?\s*=\s*([^#]+)", ln)
+    for ln in lines:   # `comptime N = 8`, `alias N: Int = 8`, `comptime Ptr[T: AnyType] = ...`
+        am = re.match(r"\s*(?:alias|comptime)\s+(\w+)\s*(?:\[.*?\])?\s*(?::[^=]*)?=\s*([^#]+)", ln)
         if am:
             aliases[am.group(1)] = am.group(2).strip()
     start = next((i for i, ln in enumerate(lines)
-                  if re.match(rf"\s*struct\s+{re.escape(struct)}\b.*:\s*(#.*)?$", ln)), None)
+                  if re.match(rf"\s*struct\s+{re.escape(struct)}(?!\w)", ln)), None)
     if start is None:
-        seen = re.findall(r"^\s*struct\s+(\w+)", "\n".join(lines), flags=re.M)
+        seen = re.findall(r"^\s*struct\s+(\w+)", "\n".join(lines), flags=re.MULTILINE)
         raise DeclarationError(path, f"no struct {struct!r} found (structs seen: {', '.join(seen) or 'none'})")
     indent = len(lines[start]) - len(lines[start].lstrip())
     member_indent, members, offset, align = None, [], 0, 1
-    i = start + 1
+    i = _mojo_header_end(path, lines, start) + 1
     while i < len(lines):
         ln = lines[i].split("#")[0].rstrip()
         i += 1
@@ -649,16 +929,16 @@ def mojo_layout(path, struct: str = STRUCT) -> Layout:
         vm = re.match(r"var\s+(\w+)\s*:\s*(.+)$", ln.strip())
         if ind != member_indent or not vm:
             continue   # methods, their locals, decorators, pass
-        name, typ = vm.group(1), vm.group(2)
+        name, typ, line = vm.group(1), vm.group(2), i
         while typ.count("[") > typ.count("]") and i < len(lines):   # type spans lines
             typ += " " + lines[i].split("#")[0].strip()
             i += 1
         try:
             t = mojo_type(typ, aliases)
         except ValueError as e:
-            raise DeclarationError(path, f"line {i}: field {name}: {e}") from None
+            raise DeclarationError(path, f"line {line}: field {name}: {e}") from None
         if any(m.name == name for m in members):
-            raise DeclarationError(path, f"line {i}: field {name} declared twice")
+            raise DeclarationError(path, f"line {line}: field {name} declared twice")
         a = t.elem or t.size   # natural alignment: an array aligns like its element
         offset = -(-offset // a) * a
         members.append(Member(name, offset, t.size, t.cls, t.count, t.elem))
@@ -671,36 +951,101 @@ def mojo_layout(path, struct: str = STRUCT) -> Layout:
 
 # --------------------------------------------------------------------------- JSON
 
+# C spellings accepted in JSON "type" strings, with the sizes of a 64-bit Linux host.
+_C_SCALARS = {f"{u}int{n}_t": (n // 8, "uint" if u else "int") for u in ("", "u") for n in (8, 16, 32, 64)}
+_C_SCALARS.update({
+    "char": (1, "int"), "signed char": (1, "int"), "unsigned char": (1, "uint"),
+    "short": (2, "int"), "unsigned short": (2, "uint"), "int": (4, "int"),
+    "unsigned": (4, "uint"), "unsigned int": (4, "uint"), "long": (8, "int"),
+    "unsigned long": (8, "uint"), "long long": (8, "int"), "unsigned long long": (8, "uint"),
+    "size_t": (8, "uint"), "ptrdiff_t": (8, "int"), "intptr_t": (8, "int"),
+    "uintptr_t": (8, "uint"), "CUdeviceptr": (8, "uint"), "float": (4, "float"),
+    "double": (8, "float"), "bool": (1, "bool"), "_Bool": (1, "bool"),
+})
+_JSON_KNOWN = (f"a Mojo type ({_MOJO_KNOWN}) or a C type (int64_t, uint64_t, uint64_t[8], "
+               "void *, std::array<T, N>)")
+
+
+def _c_type(t: str) -> Member | None:
+    """Size, class and shape of a C/C++ type as JSON writes it (``uint64_t[8]``, ``void *``,
+    ``std::array<uint64_t, 8>``), or None when ``t`` is not one."""
+    t = " ".join(re.sub(r"\b(?:const|volatile|struct)\b", " ", t).split())
+    m = re.fullmatch(r"(.+?) ?\[ ?(\d+) ?\]", t) or re.fullmatch(r"(?:std ?:: ?)?array ?< ?(.+?) ?, ?(\d+) ?>", t)
+    if m:
+        elem, n = _c_type(m.group(1)), int(m.group(2))
+        return Member("", 0, elem.size * n, elem.cls, n, elem.size) if elem and n > 0 else None
+    if t.endswith("*"):
+        return Member("", 0, 8, "ptr", None, 8)
+    size, cls = _C_SCALARS.get(t, (0, None))
+    return Member("", 0, size, cls, None, size) if cls else None
+
+
+def _json_get(obj: dict, key: str, want: str, ok, where: str = "") -> object:
+    """``obj[key]`` if ``ok`` accepts it; else ValueError: which key, what it must be, what it is."""
+    value = obj.get(key)
+    if not ok(value):
+        raise ValueError(f'{where}"{key}" must be {want}, got {json.dumps(value)[:60]}')
+    return value
+
+
+def _is_int(low: int):
+    return lambda v: type(v) is int and v >= low
+
+
+def _json_field(f, i: int) -> Member:
+    """One ``{"name", "offset", "size", "type"}`` entry, checked; the error says what is wrong."""
+    if not isinstance(f, dict):
+        raise TypeError(f'fields[{i}]: expected an object {{"name", "offset", "size", "type"}}, '
+                        f"got {json.dumps(f)[:60]}")
+    name = _json_get(f, "name", "a non-empty string", lambda v: isinstance(v, str) and v, f"fields[{i}]: ")
+    where = f"field {name}: "
+    offset = _json_get(f, "offset", "an integer >= 0", _is_int(0), where)
+    size = _json_get(f, "size", "an integer >= 1", _is_int(1), where)
+    typ = _json_get(f, "type", f"a string, {_JSON_KNOWN}", lambda v: isinstance(v, str), where)
+    t = _c_type(typ)
+    if t is None:
+        try:
+            t = mojo_type(typ)
+        except ValueError:
+            raise ValueError(f"{where}unknown type {typ!r}; expected {_JSON_KNOWN}") from None
+    if t.size != size:
+        raise ValueError(f'{where}type {typ!r} is {t.size} bytes, but "size" says {size}')
+    return Member(name, offset, size, t.cls, t.count, t.elem)
+
+
 def json_layout(path, struct: str = STRUCT) -> Layout:
-    """The layout as stated by a ``render("json")``-shaped file (a list of them is fine)."""
+    """The layout as stated by a ``render("json")``-shaped file (a list of them is fine).
+
+    Every field needs a known ``type`` (Mojo, as ``render`` writes it, or C) whose size
+    agrees with its ``size``.
+    """
     path = Path(path)
     try:
         data = json.loads(_read(path))
     except json.JSONDecodeError as e:
         raise DeclarationError(path, f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise DeclarationError(path, "not usable JSON: nested too deeply") from None
     decls = data if isinstance(data, list) else [data]
-    decl = next((d for d in decls if isinstance(d, dict) and d.get("name") == struct), None)
+    if not all(isinstance(d, dict) for d in decls):
+        raise DeclarationError(path, 'expected an object {"name", "size", "align", "fields"} or a list '
+                               f"of them, got {json.dumps(data)[:60]}")
+    decl = next((d for d in decls if d.get("name") == struct), None)
     if decl is None:
-        seen = [d.get("name") for d in decls if isinstance(d, dict)]
-        raise DeclarationError(path, f"no struct {struct!r} found (names seen: {seen})")
+        seen = [str(d["name"]) for d in decls if "name" in d]
+        raise DeclarationError(path, f"no struct {struct!r} found (names seen: {', '.join(seen) or 'none'})")
     try:
-        members = []
-        for f in decl["fields"]:
-            name, off, size = f["name"], f["offset"], f["size"]
-            if not (isinstance(name, str) and isinstance(off, int) and isinstance(size, int)):
-                raise TypeError(f"field {f!r}: name must be a string, offset and size integers")
-            try:
-                t = mojo_type(str(f.get("type", "")))
-            except ValueError:
-                t = Member("", 0, size, None)   # unknown type text: compare size/offset only
-            members.append(Member(name, off, size, t.cls, t.count, t.elem))
-        size, align = decl["size"], decl["align"]
-    except (KeyError, TypeError) as e:
-        raise DeclarationError(path, f"struct {struct}: malformed entry ({e!r}); expected "
-                               '{"name", "size", "align", "fields": [{"name", "offset", "size", "type"}]}') from None
-    if len({m.name for m in members}) != len(members):
-        raise DeclarationError(path, f"struct {struct}: a field name appears twice")
-    return Layout(tuple(members), size, align)
+        _json_get(decl, "fields", 'a non-empty list of {"name", "offset", "size", "type"}',
+                  lambda v: isinstance(v, list) and v)
+        for key in ("size", "align"):
+            _json_get(decl, key, "an integer >= 1", _is_int(1))
+        members = [_json_field(f, i) for i, f in enumerate(decl["fields"])]
+    except (TypeError, ValueError) as e:   # our own messages: what is wrong, where
+        raise DeclarationError(path, f"struct {struct}: {e}") from None
+    twice = sorted({m.name for m in members if [n.name for n in members].count(m.name) > 1})
+    if twice:
+        raise DeclarationError(path, f"struct {struct}: field(s) {', '.join(twice)} appear twice")
+    return Layout(tuple(members), decl["size"], decl["align"])
 
 
 # --------------------------------------------------------------------------- entry
@@ -708,8 +1053,11 @@ def json_layout(path, struct: str = STRUCT) -> Layout:
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DeclarationError(path, f"cannot read: {e}") from None
+    except UnicodeDecodeError as e:
+        raise DeclarationError(path, f"cannot read: not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                               f"offset {e.start})") from None
+    except OSError as e:
+        raise DeclarationError(path, f"cannot read: {e.strerror or e}") from None
 
 
 def _guess_kind(path: Path) -> str:
@@ -723,17 +1071,18 @@ def _guess_kind(path: Path) -> str:
     head = _read(path).lstrip()
     if head.startswith(("{", "[")):
         return "json"
-    return "mojo" if re.search(r"^\s*struct\s+\w+.*:\s*$", head, flags=re.M) else "c"
+    # Mojo's `struct Name(Traits):` (the list may wrap); C has `{` or `;` before any `:` line end.
+    return "mojo" if re.search(r"^\s*struct\s+\w+[^{};]*:\s*$", head, flags=re.MULTILINE) else "c"
 
 
 def read_layout(path, struct: str = STRUCT, kind: str = "auto") -> Layout:
     """Lay out ``struct`` from ``path``; ``kind`` is auto (by extension), c, mojo or json."""
     path = Path(path)
+    readers = {"c": c_layout, "mojo": mojo_layout, "json": json_layout}
+    if kind != "auto" and kind not in readers:
+        raise DeclarationError(path, f"kind: expected auto, c, mojo or json; got {kind!r}")
     if kind == "auto":
         kind = _guess_kind(path)
-    readers = {"c": c_layout, "mojo": mojo_layout, "json": json_layout}
-    if kind not in readers:
-        raise ValueError(f"kind: expected auto, c, mojo or json; got {kind!r}")
     return readers[kind](path, struct)
 
 
