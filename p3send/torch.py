@@ -1,0 +1,288 @@
+"""The combine for torch runtimes: expert-grouped bf16 rows in, the reduced bf16
+``[tokens, hidden]`` out, on torch's current stream, with no host synchronisation
+inside, capturable by ``torch.cuda.graph``, and registered as the custom op
+``torch.ops.p3send.combine`` (with a fake implementation) so ``torch.compile`` keeps it.
+
+Optional: ``import p3send`` never imports this module or torch.
+
+Two mappings:
+
+- ``TorchCombine``: every rank on one GPU in this process (as ``ops.combine.Combine``).
+  Inputs carry a leading rank dimension; one op call runs every rank's send, then every
+  rank's receive and reduce, forked from and joined into the current stream.
+- ``TorchRank``: one process per rank (``ops.rank.Rank`` over ``TorchExchange``). The
+  op runs this rank's send then its receive on the current stream when the ranks are on
+  different GPUs; ranks sharing a GPU need a host barrier between the two, which
+  ``step`` provides (it synchronizes, as ``Rank.round`` does).
+
+The caller owns every tensor and refreshes the per-step inputs (rows, expert offsets,
+range table, ``src_info``, top-k ids and weights) in place between steps or graph
+replays: the kernels read them on the device, and nothing in a launch depends on a host
+copy of them. The token count is the one thing taken from the host: it is
+``topk_idx.shape[-2]`` when the op is called (captured into a graph with it).
+
+Arrival timeouts cannot raise inside a stream-ordered op: call ``check()`` after the
+step's stream has been synchronized (a decode loop does so anyway to read its tokens);
+it raises ``ArrivalTimeout`` naming the missing pairs and re-arms the counts. Do not
+replay again before a failed step has been checked (docs/PROTOCOL.md, "Replay safety").
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+try:
+    import torch
+except ImportError as e:   # the optional dependency
+    raise ImportError(f"p3send.torch needs torch ({e}); the rest of p3send does not") from e
+
+from .abi.errors import ConfigError
+from .cuda import driver
+from .ops.combine import Combine
+from .ops.rank import Rank
+
+__all__ = ["TorchCombine", "TorchRank", "combine"]
+
+_objects: dict[int, object] = {}      # op handle -> TorchCombine / TorchRank
+_handles = itertools.count(1)
+
+
+@torch.library.custom_op("p3send::combine", mutates_args=())
+def combine(handle: int, rows: torch.Tensor, expert_offsets: torch.Tensor, range_table: torch.Tensor,
+            src_info: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
+            gate: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045 (torch's schema inference)
+    """The combine of the ``TorchCombine``/``TorchRank`` registered as ``handle``: returns
+    the reduced bf16 output, shape ``topk_idx.shape[:-1] + (hidden,)``."""
+    obj = _objects.get(handle)
+    if obj is None:
+        raise ConfigError([f"handle: no open p3send combine has handle {handle}"], "p3send::combine")
+    return obj._run(rows, expert_offsets, range_table, src_info, topk_idx, weights, gate)
+
+
+@combine.register_fake
+def _combine_fake(handle, rows, expert_offsets, range_table, src_info, topk_idx, weights, gate=None):
+    return rows.new_empty((*topk_idx.shape[:-1], rows.shape[-1]))
+
+
+def _ordinal(device) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if d.type != "cuda":
+        raise ConfigError([f"device: expected a CUDA device, got {d}"], "p3send.torch")
+    return torch.cuda.current_device() if d.index is None else d.index
+
+
+def _check_shapes(what: str, want: dict, got: dict) -> None:
+    """want/got: name -> shape tuple (None in want: any size there)."""
+    problems = []
+    if got.get("weights") is not None and got.get("topk_idx") is not None and \
+            tuple(got["weights"].shape) != tuple(got["topk_idx"].shape):
+        problems.append(f"weights: expected the shape of topk_idx {tuple(got['topk_idx'].shape)}, "
+                        f"got {tuple(got['weights'].shape)}")
+    for name, w in want.items():
+        g = tuple(got[name].shape) if got[name] is not None else None
+        if g is None or len(g) != len(w) or any(a is not None and a != b for a, b in zip(w, g)):
+            shown = "(" + ", ".join("*" if a is None else str(a) for a in w) + ")"
+            problems.append(f"{name}: expected shape {shown}, got {g}")
+    if problems:
+        raise ConfigError(problems, what)
+
+
+class _Base:
+    def _register(self) -> None:
+        self.handle = next(_handles)
+        _objects[self.handle] = self
+        self._key = None
+
+    def __call__(self, rows, expert_offsets, range_table, src_info, topk_idx, weights, gate=None):
+        """``torch.ops.p3send.combine`` for this object (see the module docstring)."""
+        return combine(self.handle, rows, expert_offsets, range_table, src_info, topk_idx, weights, gate)
+
+    def close(self) -> None:
+        _objects.pop(getattr(self, "handle", None), None)
+        self._inner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class TorchCombine(_Base):
+    """Every rank on one GPU, in this process. Call it (or ``torch.ops.p3send.combine``)
+    with, for R ranks, T tokens, K = top_k, L = n_local_experts, H = hidden:
+
+    rows bf16 (R, max_rows, H): rank r's expert-grouped output rows;
+    expert_offsets int32 (R, L+1); range_table int32 (R, L*R*2); src_info int32
+    (R, max_rows, 2); topk_idx int32 (R, T, K) global expert ids (-1 masked); weights f32
+    (R, T, K); gate (only with ``gated=True``) int32 (R,): rank r sends in a replay only
+    if gate[r] != 0 then. Returns out bf16 (R, T, H).
+
+    ``gated``: the sends sit in conditional graph nodes whose condition a one-thread
+    kernel reads from ``gate`` at every replay (``p3send.cuda.gate``; needs
+    libcudadevrt.a, and the op then runs only under graph capture).
+    """
+
+    def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
+                 max_rows: int | None = None, device=None, timeout_ms: float = 2000.0, guard: bool = False,
+                 num_sms: int | None = None, gated: bool = False):
+        self.ordinal = _ordinal(device)
+        torch.cuda.init()
+        self.dev = driver.device(self.ordinal)
+        self._inner = Combine(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
+                              n_local_experts=n_local_experts, max_rows=max_rows, device=self.dev,
+                              timeout_ms=timeout_ms, guard=guard, stamps=False, num_sms=num_sms, inputs=False)
+        self.n_ranks, self.top_k, self.hidden, self.n_local = n_ranks, top_k, hidden, n_local_experts
+        self.gated = gated
+        if gated:
+            from .cuda.gate import gate_kernel
+            gate_kernel(self.dev)          # linked now: never inside a capture
+        self._register()
+
+    @property
+    def combine(self) -> Combine:
+        """The underlying ``ops.combine.Combine`` (receive buffers, counts, launchers)."""
+        return self._inner
+
+    def _run(self, rows, offs, rtab, src, topk, w, gate):
+        R, L, H = self.n_ranks, self.n_local, self.hidden
+        want = {"rows": (R, None, H), "expert_offsets": (R, L + 1), "range_table": (R, 2 * L * R),
+                "src_info": (R, None, 2), "topk_idx": (R, None, self.top_k), "weights": (R, None, self.top_k)}
+        got = {"rows": rows, "expert_offsets": offs, "range_table": rtab, "src_info": src, "topk_idx": topk,
+               "weights": w}
+        if self.gated:
+            want["gate"], got["gate"] = (R,), gate
+        elif gate is not None:
+            raise ConfigError(["gate: this TorchCombine was built without gated=True"], "p3send::combine")
+        _check_shapes("p3send::combine", want, got)
+        stream = torch.cuda.current_stream(self.ordinal)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self.gated:
+            problems = []
+            if not capturing:
+                problems.append("gate: a device-side gate needs CUDA graph capture (torch.cuda.graph); "
+                                "outside a capture call a TorchCombine built without gated=True")
+            if gate.dtype != torch.int32 or gate.device != rows.device:
+                problems.append(f"gate: expected int32 on {rows.device}, got {gate.dtype} on {gate.device}")
+            if problems:
+                raise ConfigError(problems, "p3send::combine")
+        out = torch.empty((R, topk.shape[1], H), dtype=torch.bfloat16, device=rows.device)
+        key = tuple(t.data_ptr() for t in (rows, offs, rtab, src, topk, w)) + \
+            tuple(tuple(t.shape) for t in (rows, src, topk))
+        if key != self._key:               # new arrays: check and attach them (host only)
+            self._key = None
+            for r in range(R):
+                self._inner.bind(r, c=rows[r], expert_offsets=offs[r], range_table=rtab[r], src_info=src[r],
+                                 topk_idx=topk[r], weights=w[r], out=out[r])
+            self._key = key
+        else:                              # only the output moved: one parameter per receive
+            for r in range(R):
+                self._inner.out[r] = out[r]
+                self._inner.receivers[r].block.set(out_ptr=out[r].data_ptr())
+        self._inner.enqueue(stream=stream, gate=gate if self.gated else None)
+        return out
+
+    def check(self, stream=None) -> None:
+        """Raise ArrivalTimeout naming the missing pairs of the last step (re-arming the
+        counts first), after ``stream`` (if given) is synchronized; the step must have
+        completed."""
+        if stream is not None:
+            driver.as_stream(stream).synchronize()
+        self._inner.check()
+
+    def recv_view(self, r: int, with_guard: bool = False):
+        return self._inner.recv_view(r, with_guard)
+
+    def counts_view(self, r: int):
+        return self._inner.counts_view(r)
+
+
+class TorchRank(_Base):
+    """This process's rank of a world of processes (``torch.distributed`` initialised):
+    call it (the op, no host sync; ranks on different GPUs) or ``step`` (host barrier
+    between send and receive, for ranks sharing a GPU), with rows bf16 (max_rows, H),
+    expert_offsets int32 (L+1,), range_table int32 (L*n_ranks*2,), src_info int32
+    (max_rows, 2), topk_idx int32 (T, K), weights f32 (T, K); returns out bf16 (T, H).
+    After the op, call ``settle()`` before the next step's sends (the host barrier
+    between rounds). Construction is collective. ``exchange``: default a TorchExchange
+    over the default group."""
+
+    def __init__(self, exchange=None, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
+                 max_rows: int | None = None, device=None, timeout_ms: float = 2000.0, sync_timeout_s: float = 60.0,
+                 sync_sends: bool | None = None, guard: bool = False):
+        from .ops.exchange import TorchExchange
+        self.ordinal = _ordinal(device)
+        torch.cuda.init()
+        exchange = exchange or TorchExchange(timeout_s=sync_timeout_s)
+        self._inner = Rank(exchange.rank, exchange.n_ranks, exchange, max_tokens=max_tokens, top_k=top_k,
+                           hidden=hidden, n_local_experts=n_local_experts, device=self.ordinal, max_rows=max_rows,
+                           timeout_ms=timeout_ms, sync_timeout_s=sync_timeout_s, sync_sends=sync_sends, guard=guard,
+                           inputs=False)
+        self.rank, self.n_ranks = exchange.rank, exchange.n_ranks
+        self.top_k, self.hidden, self.n_local = top_k, hidden, n_local_experts
+        self._register()
+
+    @property
+    def inner(self) -> Rank:
+        """The underlying ``ops.rank.Rank``."""
+        return self._inner
+
+    def _bind(self, rows, offs, rtab, src, topk, w):
+        L, H = self.n_local, self.hidden
+        _check_shapes(f"rank {self.rank}: p3send::combine",
+                      {"rows": (None, H), "expert_offsets": (L + 1,), "range_table": (2 * L * self.n_ranks,),
+                       "src_info": (None, 2), "topk_idx": (None, self.top_k), "weights": (None, self.top_k)},
+                      {"rows": rows, "expert_offsets": offs, "range_table": rtab, "src_info": src, "topk_idx": topk,
+                       "weights": w})
+        out = torch.empty((topk.shape[0], H), dtype=torch.bfloat16, device=rows.device)
+        key = tuple(t.data_ptr() for t in (rows, offs, rtab, src, topk, w)) + \
+            tuple(tuple(t.shape) for t in (rows, src, topk, w))
+        if key != self._key:
+            self._key = None
+            self._inner.bind(c=rows, expert_offsets=offs, range_table=rtab, src_info=src, topk_idx=topk, weights=w,
+                             out=out)
+            self._key = key
+        else:
+            self._inner.out = out
+            self._inner.receiver.block.set(out_ptr=out.data_ptr())
+        return out
+
+    def _run(self, rows, offs, rtab, src, topk, w, gate):
+        if gate is not None:
+            raise ConfigError(["gate: TorchRank has no device-side gate"], "p3send::combine")
+        if self._inner.sync_sends:
+            raise ConfigError([f"rank {self.rank}: ranks share a GPU, so the send and the receive need a host "
+                               "barrier between them; call step() (it synchronizes) instead of the op"],
+                              "p3send::combine")
+        out = self._bind(rows, offs, rtab, src, topk, w)
+        s = driver.as_stream(torch.cuda.current_stream(self.ordinal))
+        self._inner._enqueue_send(s)
+        self._inner.receiver.launch(s)
+        return out
+
+    def step(self, rows, expert_offsets, range_table, src_info, topk_idx, weights):
+        """One whole round on the current stream with the host syncs of ``Rank.round``
+        (send, mid barrier when ranks share a GPU, receive, settle): raises
+        ArrivalTimeout naming this rank's missing pairs. Returns out bf16 (T, H)."""
+        out = self._bind(rows, expert_offsets, range_table, src_info, topk_idx, weights)
+        self._inner.round(stream=torch.cuda.current_stream(self.ordinal))
+        return out
+
+    def settle(self, stream=None) -> None:
+        """After the op: wait for ``stream`` (default the current one), then the end of
+        the round (allgather of timeouts = the host barrier before the next sends; re-arm
+        and ArrivalTimeout if this rank's wait timed out)."""
+        driver.as_stream(stream if stream is not None else torch.cuda.current_stream(self.ordinal)).synchronize()
+        self._inner.settle()
+
+    def barrier(self) -> None:
+        self._inner.barrier()
+
+    def recv_view(self, with_guard: bool = False):
+        return self._inner.recv_view(with_guard)
+
+    def counts_view(self):
+        return self._inner.counts_view()
