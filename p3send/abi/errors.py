@@ -7,7 +7,15 @@ from __future__ import annotations
 
 
 class P3SendError(Exception):
-    """Root of every error p3send raises on purpose."""
+    """Root of every error p3send raises on purpose.
+
+    Every subclass survives pickling with its attributes (errors cross process
+    boundaries in ``run_ranks``): a subclass whose ``__init__`` takes other arguments than
+    the message stores them in ``self._init_args``.
+    """
+
+    def __reduce__(self):
+        return type(self), getattr(self, "_init_args", self.args), self.__dict__
 
 
 class ConfigError(P3SendError, ValueError):
@@ -18,9 +26,23 @@ class ConfigError(P3SendError, ValueError):
     """
 
     def __init__(self, problems, what="P3PeerSendConfig"):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid {what} ({len(self.problems)} problem(s)):\n{lines}")
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.what = what
+        self._init_args = (self.problems, what)
+        if len(self.problems) == 1:
+            msg = f"invalid {what}: {self.problems[0]}"
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            msg = f"invalid {what} ({len(self.problems)} problems):\n{lines}"
+        super().__init__(msg)
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A launch argument of the wrong type (e.g. not a P3PeerSendConfig, not an address)."""
+
+
+class FieldError(ConfigError, AttributeError):
+    """An attribute of a ``P3PeerSendConfig`` that is not one of its fields."""
 
 
 class CudaError(P3SendError):
@@ -34,6 +56,7 @@ class CudaError(P3SendError):
     def __init__(self, call, name, code, explanation="", log=""):
         self.call, self.name, self.code = call, name, int(code)
         self.explanation, self.log = explanation, log
+        self._init_args = (call, name, self.code, explanation, log)
         msg = f"Call to {call} results in {name} ({self.code})"
         if explanation:
             msg += f": {explanation}"
@@ -65,6 +88,7 @@ class ArrivalTimeout(P3SendError, TimeoutError):
         self.missing = list(missing)
         self.record = record
         self.timeout_ns = timeout_ns
+        self._init_args = (self.missing, record, timeout_ns)
         shown = ", ".join(f"rank {r}: expert {e} from rank {s}" for r, e, s in self.missing[:16])
         more = "" if len(self.missing) <= 16 else f" (+{len(self.missing) - 16} more)"
         senders = sorted({s for _, _, s in self.missing})

@@ -6,6 +6,7 @@ expert-grouped L2 output C.
 from __future__ import annotations
 
 import numpy as np
+from .errors import ConfigError
 
 #: Added to ``t_end`` in word0 of a range entry: the data-ready flag written by dispatch.
 RANGE_READY_FLAG = 1024
@@ -47,19 +48,19 @@ def encode_range_table(expert_offsets, counts, ready=True) -> np.ndarray:
     cnt = np.asarray(counts, dtype=np.int64)
     n_experts, n_ranks = cnt.shape
     if off.shape != (n_experts + 1,):
-        raise ValueError(f"expert_offsets: expected shape ({n_experts + 1},), got {off.shape}")
+        raise ConfigError(f"expert_offsets: expected shape ({n_experts + 1},), got {off.shape}", "range table")
     if (cnt < 0).any():
-        raise ValueError("counts: expected non-negative row counts")
+        raise ConfigError("counts: expected non-negative row counts", "range table")
     t_end = off[:-1, None] + np.cumsum(cnt, axis=1)
     if (t_end[:, -1] > off[1:]).any():
         bad = int(np.argmax(t_end[:, -1] > off[1:]))
-        raise ValueError(f"counts: expert {bad} owns {int(cnt[bad].sum())} rows but has "
-                         f"{int(off[bad + 1] - off[bad])} in expert_offsets")
+        raise ConfigError(f"counts: expert {bad} owns {int(cnt[bad].sum())} rows but has "
+                         f"{int(off[bad + 1] - off[bad])} in expert_offsets", "range table")
     table = np.empty((n_experts, n_ranks, 2), dtype=np.int64)
     table[..., 0] = t_end + (RANGE_READY_FLAG if ready else 0)
     table[..., 1] = cnt
     if table.max(initial=0) > np.iinfo(np.int32).max:
-        raise ValueError("range table: row indices exceed int32")
+        raise ConfigError("range table: row indices exceed int32", "range table")
     return table.astype(np.int32).reshape(-1)
 
 

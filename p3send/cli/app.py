@@ -8,6 +8,19 @@ import sys
 from ..abi.errors import P3SendError
 
 
+def check_output_path(path: str, option: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: its folder must
+    exist and be writable, and it must not be a folder. One line naming ``option``."""
+    import os
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise P3SendError(f"{option} {path}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise P3SendError(f"{option} {path}: is a folder; give a file name")
+    if not os.access(folder, os.W_OK):
+        raise P3SendError(f"{option} {path}: the folder {folder} is not writable")
+
+
 def _cmd_layout(args) -> int:
     from .conform import render
     sys.stdout.write(render(args.format))

@@ -19,9 +19,12 @@ from ..ops.recv import RecvReduce
 from ..ops.send import EpilogueSend, ScatterSend
 
 
+SECTIONS = ("prefill", "budget", "decode", "latency", "host", "epilogue", "gemm", "two_gpu")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--only", action="append", default=None,
-                   choices=["prefill", "budget", "decode", "latency", "host", "epilogue", "two_gpu"],
+                   choices=SECTIONS,
                    help="run only these sections (default: all)")
     p.add_argument("--tokens", type=int, default=4096, help="prefill tokens per rank (default 4096)")
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -29,6 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--experts", type=int, default=32, help="local experts per rank")
+    p.add_argument("--gemm-k", type=int, default=2048, help="K of the down-projection GEMM (gemm section)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=None)
@@ -66,7 +70,7 @@ def _torch():
         return None
 
 
-def _random_bytes(nbytes: int, rng, torch=None, ordinal: int = 0) -> driver.DeviceBuffer:
+def random_bytes(nbytes: int, rng, torch=None, ordinal: int = 0) -> driver.DeviceBuffer:
     """A buffer of random non-zero bytes on GPU ``ordinal`` (made current), generated on the
     GPU when torch is there."""
     driver.device(ordinal)
@@ -84,6 +88,10 @@ def _random_bytes(nbytes: int, rng, torch=None, ordinal: int = 0) -> driver.Devi
             n = min(chunk, nbytes - o)
             buf.upload(rng.integers(1, 256, n, dtype=np.uint8), offset=o)
     return buf
+
+
+#: The old private name (tools/ still import it); use ``random_bytes``.
+_random_bytes = random_bytes
 
 
 def prefill_routing(tokens: int, ranks: int, top_k: int, experts: int, rng):
@@ -113,7 +121,7 @@ def bench_prefill(a, dev, rng, torch, out: dict, copy_stream: driver.Stream) -> 
     off, table, src, dst = prefill_routing(a.tokens, a.ranks, a.top_k, a.experts, rng)
     recv_bytes = a.tokens * a.top_k * msg
     sets = 2                                              # rotate: 2 x (C + receive buffers) >> L2
-    cs = [_random_bytes(nbytes, rng, torch) for _ in range(sets)]
+    cs = [random_bytes(nbytes, rng, torch) for _ in range(sets)]
     recvs = [[driver.DeviceBuffer(recv_bytes, fill=0xAB) for _ in range(a.ranks)] for _ in range(sets)]
     counts = [driver.DeviceBuffer(8 * a.experts * a.ranks, fill=0xFF) for _ in range(a.ranks)]
     rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
@@ -169,13 +177,14 @@ def bench_prefill(a, dev, rng, torch, out: dict, copy_stream: driver.Stream) -> 
         res["torch_index_copy_"] = timer.run(index_copy, a.iters, a.warmup)
         del dst_t, src_t, idx
     moved = 2 * nbytes
-    for k, v in res.items():
+    for v in res.values():
         v["TBps_rw"] = moved / (v["median_us"] * 1e-6) / 1e12
     copy_us = res["d2d_copy"]["median_us"]
     out["prefill"] = {"rows": rows, "msg_bytes": msg, "bytes": nbytes, "results": res,
                       "send_over_copy": res["p3_scatter_send"]["median_us"] / copy_us}
     if "torch_index_copy_" in res:
-        out["prefill"]["index_copy_over_send"] = res["torch_index_copy_"]["median_us"] / res["p3_scatter_send"]["median_us"]
+        out["prefill"]["index_copy_over_send"] = (res["torch_index_copy_"]["median_us"]
+                                                  / res["p3_scatter_send"]["median_us"])
     if "budget" in a.only:
         budget = {}
         for n in [x for x in (8, 16, 32, 64) if x < dev.sm_count] + [dev.sm_count]:
@@ -441,7 +450,7 @@ def bench_two_gpus(a, rng, torch, out: dict) -> None:
         off = np.concatenate([[0], np.cumsum(_split_even(rows, a.experts))]).astype(np.int32)
         side = []
         for me, dev in ((0, d0), (1, d1)):
-            c = _random_bytes(nbytes, rng, torch, me)
+            c = random_bytes(nbytes, rng, torch, me)
             dev.activate()
             side.append({"dev": dev, "c": c, "recv": driver.DeviceBuffer(nbytes, fill=0xAB),
                          "counts": driver.DeviceBuffer(8 * a.experts * 2, fill=0xFF), "stream": driver.Stream()})
@@ -595,7 +604,8 @@ def table(out: dict) -> str:
         if "fused_over_unfused" in e:
             L.append(f"   best fused / unfused     {e['fused_over_unfused']:.3f}x   (target <= 0.70): {e['best']}")
             conv = e["results"]["diagnostic: the convert alone"]["median_us"]
-            L.append(f"   best fused / the convert alone (same bytes, no send)  {e['results'][e['best']]['median_us'] / conv:.3f}x")
+            best = e["results"][e["best"]]["median_us"]
+            L.append(f"   best fused / the convert alone (same bytes, no send)  {best / conv:.3f}x")
     if "two_gpu" in out:
         t = out["two_gpu"]
         if "skipped" in t:
@@ -628,17 +638,22 @@ def table(out: dict) -> str:
                 sl = t["signal_latency_16B"]
                 L.append(f"   signal latency GPU0 -> GPU1, 1-row pair of 16 B: median {sl['median_us']:.2f} us, "
                          f"min {sl['min_us']:.2f} us")
+    if "gemm" in out:
+        from .bench_gemm import table as gemm_table
+        L.append(gemm_table(out))
     for k, v in out.get("extra", {}).items():
         L.append(f"\n{k}: {v}")
     return "\n".join(L)
 
 
 def main(args) -> int:
+    from .app import check_output_path
+    check_output_path(args.json, "--json")
     ok, why = driver.available()
     if not ok:
         print(f"p3send bench: no usable GPU here ({why}); nothing to measure.")
         return 0
-    args.only = args.only or ["prefill", "budget", "decode", "latency", "host", "epilogue", "two_gpu"]
+    args.only = args.only or list(SECTIONS)
     dev = driver.device()
     seed = args.seed if args.seed is not None else int(time.time())
     rng = np.random.default_rng(seed)
@@ -655,6 +670,9 @@ def main(args) -> int:
         bench_latency(args, dev, out)
     if "epilogue" in args.only:
         bench_epilogue(args, dev, rng, torch, out)
+    if "gemm" in args.only:
+        from .bench_gemm import bench_gemm
+        bench_gemm(args, dev, rng, torch, out)
     if "two_gpu" in args.only:
         bench_two_gpus(args, rng, torch, out)
     text = table(out)

@@ -7,6 +7,7 @@ import time
 from ..cuda import driver
 from ..ops.procs import run_ranks
 from ..oracle.rounds import RoundJob, run_round_job
+from ..abi.errors import ConfigError
 
 # ---------------------------------------------------------------- p3send demo --procs
 
@@ -20,7 +21,7 @@ def demo_devices() -> list[int]:
     devs = [int(x) for x in spec.split(",") if x.strip()] if spec else [int(os.environ.get("P3SEND_DEVICE", "0"))]
     bad = [d for d in devs if not 0 <= d < n]
     if bad:
-        raise ValueError(f"P3SEND_DEVICES: GPU(s) {bad} do not exist; the driver reports {n}")
+        raise ConfigError(f"P3SEND_DEVICES: GPU(s) {bad} do not exist; the driver reports {n}", "P3SEND_DEVICES")
     return devs
 
 

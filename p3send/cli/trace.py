@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from ..abi.errors import ConfigError
 
 #: The receive stamp fields, in order (``p3_recv_reduce`` stamp_ptr).
 RECV_FIELDS = ("start_ns", "last_wait_done_ns", "end_ns", "tokens")
@@ -52,18 +53,19 @@ def add_arguments(p) -> None:
 def _normalize(timeline) -> dict[int, dict[str, list[list[int]]]]:
     """``timeline`` with int rank keys (JSON makes them strings), checked; sorted by rank."""
     if not isinstance(timeline, dict):
-        raise ValueError(f"timeline: expected a dict {{rank: {{'send': [...], 'recv': [...]}}}}, "
-                         f"got {type(timeline).__name__}")
+        raise ConfigError(f"timeline: expected a dict {{rank: {{'send': [...], 'recv': [...]}}}}, "
+                         f"got {type(timeline).__name__}", "timeline")
     out: dict[int, dict[str, list[list[int]]]] = {}
     for key, entry in timeline.items():
         try:
             r = int(key)
         except (TypeError, ValueError):
-            raise ValueError(f"timeline: expected rank keys that are integers, got {key!r}") from None
+            raise ConfigError(f"timeline: expected rank keys that are integers, got {key!r}", "timeline") from None
         if r < 0 or r in out:
-            raise ValueError(f"timeline: rank {key!r} is negative or appears twice")
+            raise ConfigError(f"timeline: rank {key!r} is negative or appears twice", "timeline")
         if not isinstance(entry, dict) or not {"send", "recv"} <= set(entry):
-            raise ValueError(f"timeline rank {r}: expected a dict with 'send' and 'recv' lists, got {entry!r:.80}")
+            raise ConfigError(f"timeline rank {r}: expected a dict with 'send' and 'recv' lists, got {entry!r:.80}",
+                              "timeline")
         out[r] = {"send": _rows(entry["send"], 2, f"rank {r} send"),
                   "recv": _rows(entry["recv"], 4, f"rank {r} recv")}
     return dict(sorted(out.items()))
@@ -71,13 +73,15 @@ def _normalize(timeline) -> dict[int, dict[str, list[list[int]]]]:
 
 def _rows(rows, width: int, what: str) -> list[list[int]]:
     if not isinstance(rows, (list, tuple)):
-        raise ValueError(f"timeline {what}: expected a list of [{width} stamps] per CTA, got {type(rows).__name__}")
+        raise ConfigError(f"timeline {what}: expected a list of [{width} stamps] per CTA, got {type(rows).__name__}",
+                          "timeline")
     checked = []
     for i, row in enumerate(rows):
         ok = isinstance(row, (list, tuple)) and len(row) == width and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row)
         if not ok:
-            raise ValueError(f"timeline {what} CTA {i}: expected {width} non-negative integers, got {row!r:.80}")
+            raise ConfigError(f"timeline {what} CTA {i}: expected {width} non-negative integers, got {row!r:.80}",
+                              "timeline")
         checked.append([int(v) for v in row])
     return checked
 
@@ -317,6 +321,13 @@ def _check_paths(args) -> None:
 
 
 def main(args) -> int:
+    from .app import check_output_path
+    for path, option in ((f"{args.out}.json", "--out"), (args.save, "--save")):
+        if path is not None:
+            check_output_path(path, option)
+    if args.from_file is None:
+        from .demo import check_world_arguments
+        check_world_arguments(args)
     _check_paths(args)
     if args.from_file is not None:
         timeline, rc = _load(args.from_file), 0

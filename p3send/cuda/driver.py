@@ -16,13 +16,13 @@ import os
 
 import numpy as np
 
-from ..abi.errors import ContextLostError, CudaError, NoDeviceError
+from ..abi.errors import ConfigError, ConfigTypeError, ContextLostError, CudaError, NoDeviceError
 
 # Errors after which the context is unusable (CUDA docs: "the process must be terminated").
 _STICKY = {214, 700, 701, 702, 710, 714, 715, 716, 717, 718, 719, 720, 999}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cu():
     """The driver module, initialised once. Raises NoDeviceError without a driver/GPU."""
     try:
@@ -141,10 +141,10 @@ class Device:
         self.activate()
         call("cuCtxSynchronize")
 
-    def can_access_peer(self, other: "Device") -> bool:
+    def can_access_peer(self, other: Device) -> bool:
         return bool(call("cuDeviceCanAccessPeer", self.handle, other.handle))
 
-    def enable_peer_access(self, other: "Device") -> None:
+    def enable_peer_access(self, other: Device) -> None:
         """Let kernels on this device access ``other``'s memory (idempotent)."""
         if other.ordinal == self.ordinal:
             return
@@ -196,7 +196,7 @@ class Stream:
     def synchronize(self) -> None:
         call("cuStreamSynchronize", self.handle)
 
-    def wait(self, event: "Event") -> None:
+    def wait(self, event: Event) -> None:
         call("cuStreamWaitEvent", self.handle, event.handle, 0)
 
     def query(self) -> bool:
@@ -222,14 +222,14 @@ class Event:
     def __init__(self, timing: bool = True):
         self.handle = call("cuEventCreate", 0 if timing else 2)  # 2 = CU_EVENT_DISABLE_TIMING
 
-    def record(self, stream: Stream) -> "Event":
+    def record(self, stream: Stream) -> Event:
         call("cuEventRecord", self.handle, stream.handle)
         return self
 
     def synchronize(self) -> None:
         call("cuEventSynchronize", self.handle)
 
-    def elapsed_ms(self, end: "Event") -> float:
+    def elapsed_ms(self, end: Event) -> float:
         return call("cuEventElapsedTime", self.handle, end.handle)
 
     def close(self) -> None:
@@ -246,7 +246,7 @@ class DeviceBuffer:
 
     def __init__(self, nbytes: int, *, fill: int | None = None, stream: Stream | None = None):
         if nbytes < 0:
-            raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
+            raise ConfigError(f"nbytes: expected >= 0, got {nbytes}", "argument")
         self.nbytes = int(nbytes)
         self.ordinal = _current                      # the device whose context allocated it
         self._ptr = call("cuMemAlloc", max(self.nbytes, 1))
@@ -255,7 +255,7 @@ class DeviceBuffer:
             self.fill(fill, stream)
 
     @classmethod
-    def from_array(cls, arr, stream: Stream | None = None) -> "DeviceBuffer":
+    def from_array(cls, arr, stream: Stream | None = None) -> DeviceBuffer:
         arr = np.ascontiguousarray(arr)
         buf = cls(arr.nbytes)
         buf.upload(arr, stream)
@@ -265,7 +265,8 @@ class DeviceBuffer:
         if self.ordinal is not None and self.ordinal in _devices:
             ensure_current(_devices[self.ordinal])     # copies and memsets run in the owner's context
         if offset < 0 or offset + nbytes > self.nbytes:
-            raise ValueError(f"copy of {nbytes} bytes at offset {offset} exceeds the {self.nbytes}-byte buffer")
+            raise ConfigError(f"copy of {nbytes} bytes at offset {offset} exceeds the {self.nbytes}-byte buffer",
+                              "argument")
 
     def upload(self, arr, stream: Stream | None = None, offset: int = 0) -> None:
         arr = np.ascontiguousarray(arr)
@@ -295,7 +296,7 @@ class DeviceBuffer:
             if stream is None:
                 call("cuCtxSynchronize")
 
-    def copy_from(self, src: "DeviceBuffer", stream: Stream, nbytes: int | None = None) -> None:
+    def copy_from(self, src: DeviceBuffer, stream: Stream, nbytes: int | None = None) -> None:
         n = min(self.nbytes, src.nbytes) if nbytes is None else nbytes
         call("cuMemcpyDtoDAsync", self.ptr, src.ptr, n, stream.handle)
 
@@ -335,8 +336,8 @@ def device_ptr(obj, what: str = "buffer") -> int:
         return int(cai["data"][0])
     if hasattr(obj, "data_ptr"):
         return int(obj.data_ptr())
-    raise TypeError(f"{what}: expected a DeviceBuffer, a device address (int) or an object with "
-                    f"__cuda_array_interface__, got {type(obj).__name__}")
+    raise ConfigTypeError(f"{what}: expected a DeviceBuffer, a device address (int) or an object with "
+                    f"__cuda_array_interface__, got {type(obj).__name__}", "argument")
 
 
 # ---------------------------------------------------------------- modules and launches

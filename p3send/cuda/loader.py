@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig
-from ..abi.errors import CudaError, P3SendError, ParamMismatchError
+from ..abi.errors import ConfigError, ConfigTypeError, CudaError, P3SendError, ParamMismatchError
 from ..cuda import driver, ptxdoc
 
 
@@ -38,7 +38,7 @@ def ptx_dir() -> Path:
 class Kernel:
     """One ``.entry`` of a loaded module, with its parameter table (from the PTX header)."""
 
-    def __init__(self, module: "Module", name: str, params: list[ptxdoc.Param]):
+    def __init__(self, module: Module, name: str, params: list[ptxdoc.Param]):
         self.module, self.name, self.params = module, name, params
         self.func = driver.get_function(module.handle, name)
         want = [(p.offset, p.size) for p in params]
@@ -56,7 +56,7 @@ class Kernel:
         self.num_regs = driver.func_attribute(self.func, "NUM_REGS")
         self.max_threads = driver.func_attribute(self.func, "MAX_THREADS_PER_BLOCK")
 
-    def params_block(self, **values) -> "ParamBlock":
+    def params_block(self, **values) -> ParamBlock:
         return ParamBlock(self, **values)
 
     def __repr__(self):
@@ -78,25 +78,26 @@ class ParamBlock:
         self.addrs = np.array([ctypes.addressof(o) for o in self._objs.values()], dtype=np.uint64)
         self.set(**values)
 
-    def set(self, **values) -> "ParamBlock":
+    def set(self, **values) -> ParamBlock:
         for name, v in values.items():
             obj = self._objs.get(name)
             if obj is None:
-                raise TypeError(f"{self.kernel.name}: no parameter {name!r}; parameters are "
-                                f"{', '.join(self._objs)}")
+                raise ConfigTypeError(f"{self.kernel.name}: no parameter {name!r}; parameters are "
+                                f"{', '.join(self._objs)}", "kernel parameters")
             if isinstance(obj, P3PeerSendConfig):
                 if not isinstance(v, P3PeerSendConfig):
-                    raise TypeError(f"{self.kernel.name}.{name}: expected a P3PeerSendConfig, got {type(v).__name__}")
+                    raise ConfigTypeError(f"{self.kernel.name}.{name}: expected a P3PeerSendConfig, "
+                                          f"got {type(v).__name__}", "kernel parameters")
                 ctypes.memmove(ctypes.addressof(obj), ctypes.addressof(v), ctypes.sizeof(obj))
             elif isinstance(obj, PeerPtrs):
                 vals = [driver.device_ptr(x, f"{name}[{i}]") for i, x in enumerate(v)]
                 if len(vals) > P3_MAX_RANKS:
-                    raise ValueError(f"{name}: at most {P3_MAX_RANKS} addresses, got {len(vals)}")
+                    raise ConfigError(f"{name}: at most {P3_MAX_RANKS} addresses, got {len(vals)}", "kernel parameters")
                 obj.p[:] = vals + [0] * (P3_MAX_RANKS - len(vals))
             elif isinstance(obj, ctypes.Array):
                 b = bytes(v)
                 if len(b) != ctypes.sizeof(obj):
-                    raise ValueError(f"{name}: expected {ctypes.sizeof(obj)} bytes, got {len(b)}")
+                    raise ConfigError(f"{name}: expected {ctypes.sizeof(obj)} bytes, got {len(b)}", "kernel parameters")
                 ctypes.memmove(ctypes.addressof(obj), b, len(b))
             elif isinstance(obj, ctypes.c_float):
                 obj.value = float(v)
@@ -144,7 +145,8 @@ class Module:
         try:
             return self.kernels[name]
         except KeyError:
-            raise KeyError(f"{self.name} has no entry {name!r}; entries: {', '.join(self.kernels)}") from None
+            raise ConfigError(f"{self.name} has no entry {name!r}; entries: {', '.join(self.kernels)}",
+                              "kernel name") from None
 
 
 def _is_entry(text: str, name: str) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from ..abi.errors import ConfigError
 
 #: Parameter types a header may use, with (size, alignment).
 PARAM_TYPES = {
@@ -170,5 +171,5 @@ def module_text(text: str, siblings) -> str:
             found |= defined
     missing = sorted(set(wanted) - found)
     if missing:
-        raise ValueError(f"no PTX file defines {', '.join(missing)}")
+        raise ConfigError(f"no PTX file defines {', '.join(missing)}", "PTX module")
     return "".join(parts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig
+from ..abi.config import P3PeerSendConfig, rank_config, shape_problems
 from ..abi.errors import ArrivalTimeout, ConfigError
 from ..abi.layout import NOT_ARRIVED, recv_buf_bytes
 from ..cuda import driver
@@ -24,44 +24,10 @@ GUARD = 4096
 
 
 # ---------------------------------------------------------------- one rank's pieces
-# Shared by Combine (every rank in this process) and world.Rank (one rank per process).
+# Shared by Combine (every rank in this process) and rank.Rank (one rank per process).
 
-def shape_problems(n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
-                   timeout_ms: float) -> list[str]:
-    """What is wrong with a combine shape (empty list: nothing)."""
-    problems = []
-    if not (1 <= n_ranks <= P3_MAX_RANKS):
-        problems.append(f"n_ranks: expected 1..{P3_MAX_RANKS}, got {n_ranks}")
-    if hidden <= 0 or hidden % 8:
-        problems.append(f"hidden: expected a positive multiple of 8 bf16 elements, got {hidden}")
-    if not (1 <= top_k <= 32):
-        problems.append(f"top_k: expected 1..32, got {top_k}")
-    if max_tokens < 0:
-        problems.append(f"max_tokens: expected >= 0, got {max_tokens}")
-    if n_local_experts < 1:
-        problems.append(f"n_local_experts: expected >= 1, got {n_local_experts}")
-    if timeout_ms <= 0:
-        problems.append(f"timeout_ms: expected > 0, got {timeout_ms}")
-    return problems
-
-
-def rank_config(my_rank: int, n_ranks: int, recv_ptrs, *, top_k: int, msg_bytes: int, max_tokens: int,
-                range_table, src_info, row_base=None, send_stamps=None) -> P3PeerSendConfig:
-    """Rank ``my_rank``'s P3PeerSendConfig. recv_ptrs[p]: rank p's receive buffer as the
-    sender sees it (device addresses, own entry local); range_table, src_info, row_base,
-    send_stamps: device buffers or addresses (None: row cache / stamps off)."""
-    cfg = P3PeerSendConfig.disabled()
-    cfg.atomic_counter = driver.device_ptr(range_table, "range_table")
-    cfg.src_info_ptr = driver.device_ptr(src_info, "src_info")
-    if row_base is not None:
-        cfg.row_base_ptr = driver.device_ptr(row_base, "row_base")
-    cfg.recv_buf_ptrs = [int(recv_ptrs[p]) if p < n_ranks else 0x1 for p in range(P3_MAX_RANKS)]
-    cfg.n_ranks = cfg.p2p_world_size = n_ranks
-    cfg.top_k, cfg.msg_bytes = top_k, msg_bytes
-    cfg.max_tokens_per_rank, cfg.my_rank = max_tokens, my_rank
-    if send_stamps is not None:
-        cfg.send_stamp_ptr, cfg.send_stamp_on = driver.device_ptr(send_stamps, "send_stamps"), 1
-    return cfg
+def device_ptr_or_none(obj, what: str) -> int | None:
+    return None if obj is None else driver.device_ptr(obj, what)
 
 
 def rank_inputs(what: str, *, c, expert_offsets, range_table, src_info, topk_idx, weights, hidden: int,
@@ -177,9 +143,12 @@ class Combine:
         return self.recv_alloc[r].ptr + self.guard
 
     def _config(self, r: int) -> P3PeerSendConfig:
-        return rank_config(r, self.n_ranks, [self.recv_ptr(p) for p in range(self.n_ranks)], top_k=self.top_k,
-                           msg_bytes=self.msg, max_tokens=self.max_tokens, range_table=self.rtab[r],
-                           src_info=self.src_info[r], row_base=self.row_base[r], send_stamps=self.send_stamps[r])
+        return rank_config(my_rank=r, n_ranks=self.n_ranks, recv_bufs=[self.recv_ptr(p) for p in range(self.n_ranks)],
+                           top_k=self.top_k, msg_bytes=self.msg, max_tokens=self.max_tokens,
+                           range_table=driver.device_ptr(self.rtab[r], "range_table"),
+                           src_info=driver.device_ptr(self.src_info[r], "src_info"),
+                           row_base=device_ptr_or_none(self.row_base[r], "row_base"),
+                           send_stamps=device_ptr_or_none(self.send_stamps[r], "send_stamps"))
 
     # ------------------------------------------------------------ inputs
     def set_rank(self, r: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights) -> None:
@@ -210,7 +179,8 @@ class Combine:
         self.c[r].upload(np.ascontiguousarray(c).view(np.uint16))
 
     def _prepare(self, r: int) -> None:
-        self.senders[r].prepare(self.cfgs[r], self.c[r], self.offs[r], count_ptrs=[self.counts[p] for p in range(self.n_ranks)],
+        self.senders[r].prepare(self.cfgs[r], self.c[r], self.offs[r],
+                                count_ptrs=[self.counts[p] for p in range(self.n_ranks)],
                                 row_cache=self.row_cache, rows_in_c=self.max_rows, same_gpu=True)
         self.receivers[r].prepare(self.cfgs[r], self.recv_ptr(r), self.counts[r], self.topk_idx[r], self.weights[r],
                                   self.out[r], n_tokens=self.tokens[r], n_experts=self.n_local,

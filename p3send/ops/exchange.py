@@ -10,7 +10,7 @@ import re
 import threading
 import time
 
-from ..abi.errors import P3SendError
+from ..abi.errors import ConfigError, P3SendError
 
 
 class ExchangeTimeout(P3SendError, TimeoutError):
@@ -35,7 +35,7 @@ class ProcessExchange:
 
     def __init__(self, n_ranks: int, *, timeout_s: float = 60.0, ctx=None):
         if n_ranks < 1:
-            raise ValueError(f"n_ranks: expected >= 1, got {n_ranks}")
+            raise ConfigError(f"n_ranks: expected >= 1, got {n_ranks}", "exchange")
         ctx = ctx or mp.get_context("spawn")
         self.n_ranks, self.rank, self.timeout_s = n_ranks, None, float(timeout_s)
         self._barrier = ctx.Barrier(n_ranks)
@@ -44,9 +44,9 @@ class ProcessExchange:
         self._gen = 0            # allgathers this rank has entered
         self._early = {}         # (gen, rank) -> obj that came before this rank reached gen
 
-    def bind(self, rank: int) -> "ProcessExchange":
+    def bind(self, rank: int) -> ProcessExchange:
         if not (0 <= rank < self.n_ranks):
-            raise ValueError(f"rank: expected 0..{self.n_ranks - 1}, got {rank}")
+            raise ConfigError(f"rank: expected 0..{self.n_ranks - 1}, got {rank}", "exchange")
         self.rank = rank
         return self
 
@@ -113,8 +113,8 @@ class TorchExchange:
         self._dist, self._td, self.timeout_s = dist, timedelta, float(timeout_s)
         if dist.get_backend(group) != "gloo":
             if group is not None:
-                raise ValueError(f"group: expected a gloo group (monitored_barrier needs gloo), got backend "
-                                 f"{dist.get_backend(group)!r}")
+                raise ConfigError(f"group: expected a gloo group (monitored_barrier needs gloo), got backend "
+                                 f"{dist.get_backend(group)!r}", "exchange")
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.group = group
         self.rank, self.n_ranks = dist.get_rank(group), dist.get_world_size(group)

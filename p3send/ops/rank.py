@@ -40,7 +40,8 @@ import numpy as np
 from ..abi.errors import ArrivalTimeout, ConfigError, P3SendError
 from ..abi.layout import SENTINEL, recv_buf_bytes, recv_counts_len
 from ..cuda import driver
-from .combine import GUARD, arrival_status, rank_config, rank_inputs, shape_problems
+from ..abi.config import rank_config, shape_problems
+from .combine import GUARD, arrival_status, device_ptr_or_none, rank_inputs
 from .recv import RecvReduce
 from .send import ScatterSend
 
@@ -148,9 +149,11 @@ class Rank:
                 self._check_reach(p, info)
             recv_ptrs.append(self._open(info["recv"]) + info["recv_offset"])
             self.count_ptrs.append(self._open(info["counts"]))
-        self.cfg = rank_config(self.rank, self.n_ranks, recv_ptrs, top_k=self.top_k, msg_bytes=self.msg,
-                               max_tokens=self.max_tokens, range_table=self.rtab, src_info=self.src_info,
-                               row_base=self.row_base)
+        self.cfg = rank_config(my_rank=self.rank, n_ranks=self.n_ranks, recv_bufs=recv_ptrs, top_k=self.top_k,
+                               msg_bytes=self.msg, max_tokens=self.max_tokens,
+                               range_table=driver.device_ptr(self.rtab, "range_table"),
+                               src_info=driver.device_ptr(self.src_info, "src_info"),
+                               row_base=device_ptr_or_none(self.row_base, "row_base"))
         # one decision for the whole world (every rank must run the same syncs): on when any
         # two ranks share a GPU
         shared = len({i["bus_id"] for i in self.peers}) < self.n_ranks
@@ -185,7 +188,7 @@ class Rank:
         """Upload this rank's share of a ``cases.World``: its C and routing as an expert
         owner, its tokens' topk_idx and weights."""
         if world.n_ranks != self.n_ranks:
-            raise ValueError(f"world: expected {self.n_ranks} ranks, got {world.n_ranks}")
+            raise ConfigError(f"world: expected {self.n_ranks} ranks, got {world.n_ranks}", "world")
         d = world.ranks[self.rank]
         self.set_inputs(c=d.c, expert_offsets=d.expert_offsets, range_table=d.range_table,
                         src_info=d.src_info, topk_idx=d.topk_idx, weights=d.weights)
@@ -366,7 +369,7 @@ class Rank:
         if errors and not quiet:
             raise errors[0]
 
-    def __enter__(self) -> "Rank":
+    def __enter__(self) -> Rank:
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig
+from ..abi.config import P3PeerSendConfig, msg_bytes_problem, n_ranks_problem, top_k_problem
 from ..abi.errors import ConfigError
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel
@@ -27,13 +27,8 @@ class RecvReduce:
 
     def prepare(self, cfg: P3PeerSendConfig, recv, counts, topk_idx, weights, out, *, n_tokens: int,
                 n_experts: int, timeout_ns: int, stamps=None) -> ParamBlock:
-        problems = []
-        if not (1 <= cfg.n_ranks <= P3_MAX_RANKS):
-            problems.append(f"n_ranks: expected 1..{P3_MAX_RANKS}, got {cfg.n_ranks}")
-        if not (1 <= cfg.top_k <= 32):
-            problems.append(f"top_k: expected 1..32 for the receive side, got {cfg.top_k}")
-        if cfg.msg_bytes <= 0 or cfg.msg_bytes % 16:
-            problems.append(f"msg_bytes: expected a positive multiple of 16 (hidden a multiple of 8 bf16), got {cfg.msg_bytes}")
+        problems = [p for p in (n_ranks_problem(cfg.n_ranks), top_k_problem(cfg.top_k),
+                                msg_bytes_problem(cfg.msg_bytes)) if p]
         if not (0 <= n_tokens <= cfg.max_tokens_per_rank):
             problems.append(f"n_tokens: expected 0..max_tokens_per_rank ({cfg.max_tokens_per_rank}), got {n_tokens}")
         if n_experts < 1:

@@ -102,10 +102,13 @@ class ScatterSend(_Sender):
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
                  threads: int = THREADS):
+        problems = []
         if n_experts < 1:
-            raise ValueError(f"n_experts: expected >= 1, got {n_experts}")
-        if threads % 32 or not (32 <= threads <= 1024):
-            raise ValueError(f"threads: expected a multiple of 32 in 32..1024, got {threads}")
+            problems.append(f"n_experts: expected >= 1, got {n_experts}")
+        if threads % 32 or not (32 <= threads <= self.THREADS):
+            problems.append(f"threads: expected a multiple of 32 in 32..{self.THREADS}, got {threads}")
+        if problems:
+            raise ConfigError(problems, "ScatterSend")
         self.dev = device or driver.device()
         self.k = kernel("p3_scatter_send", self.dev)
         self.n_experts, self.threads = int(n_experts), threads
@@ -123,7 +126,7 @@ class ScatterSend(_Sender):
         """Use ``num_sms`` SMs: one CTA each (a 1024-thread CTA's staging fills an SM's shared memory)."""
         sms = self.dev.sm_count
         if num_sms is not None and not (1 <= num_sms <= sms):
-            raise ValueError(f"num_sms: expected 1..{sms}, got {num_sms}")
+            raise ConfigError([f"num_sms: expected 1..{sms}, got {num_sms}"], "ScatterSend")
         self.grid = num_sms or sms
 
     def prepare(self, cfg: P3PeerSendConfig, c, expert_offsets, c_row_stride: int | None = None, *,

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..abi.config import P3PeerSendConfig
 from ..abi.layout import NOT_ARRIVED, decode_range_table, recv_count_layout
+from ..abi.errors import ConfigError
 
 
 @dataclass
@@ -58,8 +59,8 @@ def resolve(cfg: P3PeerSendConfig, expert_offsets, range_table, src_info) -> Sen
     np.add.at(out.pair_rows, (e[store], p[store]), 1)
     key = peer[rows[store]] * (cfg.max_tokens_per_rank * cfg.top_k + 1) + slot[rows[store]]
     if len(np.unique(key)) != len(key):
-        raise ValueError("two rows are routed to the same slot of the same peer: the bytes would "
-                         "depend on store order; fix the routing (src_info)")
+        raise ConfigError("two rows are routed to the same slot of the same peer: the bytes would "
+                         "depend on store order; fix the routing (src_info)", "routing")
     return out
 
 
@@ -132,18 +133,30 @@ def slot_pairs(topk_idx: np.ndarray, n_experts: int, n_ranks: int) -> np.ndarray
     return np.where(valid, pair, -1)
 
 
-def reduce(recv: np.ndarray, topk_idx, weights, n_experts: int, n_ranks: int, msg_bytes: int) -> np.ndarray:
-    """float64 reference of out[t] = sum over unmasked k of w[t,k] * slot(t,k), shape
-    (n_tokens, msg_bytes//2). recv: flat uint8 receive buffer; weights: f32 (n_tokens, top_k)."""
+def reduce(recv: np.ndarray, topk_idx, weights, n_experts: int, n_ranks: int, msg_bytes: int, *,
+           with_bound: bool = False):
+    """float64 reference of out[t] = sum over unmasked k, in k order, of w[t,k] * slot(t,k),
+    shape (n_tokens, msg_bytes//2). recv: flat uint8 receive buffer; weights: f32
+    (n_tokens, top_k). Masked slots are never read (they may hold anything).
+    with_bound: return (out, sum over unmasked k of |w[t,k] * slot(t,k)|), the scale of the
+    fp32 accumulation error bound ``bf16_close`` takes."""
     g = np.asarray(topk_idx)
     n_tokens, top_k = g.shape
     slots = recv[: n_tokens * top_k * msg_bytes].view(np.uint16).reshape(n_tokens, top_k, msg_bytes // 2)
-    vals = bf16_to_f32(slots).astype(np.float64)
-    w = np.asarray(weights, dtype=np.float32).astype(np.float64)
     valid = slot_pairs(g, n_experts, n_ranks) >= 0
-    w = np.where(valid, w, 0.0)
-    vals = np.where(valid[..., None], vals, 0.0)  # masked slots are never read (may hold anything)
-    return np.einsum("tk,tkh->th", w, vals)
+    w = np.where(valid, np.asarray(weights, dtype=np.float32), np.float32(0)).astype(np.float64)
+    out = np.zeros(slots.shape[::2])
+    bound = np.zeros_like(out) if with_bound else None
+    term = np.empty_like(out)
+    for k in range(top_k):      # one slot column at a time: no (tokens, top_k, hidden) float64 temporaries
+        x = bf16_to_f32(slots[:, k])
+        if not valid[:, k].all():
+            x[~valid[:, k]] = 0.0
+        np.multiply(x, w[:, k, None], out=term)    # exact: a bf16 times an fp32 fits a float64
+        out += term
+        if with_bound:
+            bound += np.abs(term, out=term)
+    return (out, bound) if with_bound else out
 
 
 def bf16_close(out_bits: np.ndarray, ref64: np.ndarray, top_k: int, absmax: np.ndarray) -> np.ndarray:

@@ -66,7 +66,7 @@ def test_graph_replays_with_fresh_inputs(dev):
     rng = np.random.default_rng(seed + 1)
     try:
         graph = comb.capture()
-        for i in range(20):
+        for _ in range(20):
             for r, d in enumerate(world.ranks):
                 vals = rng.standard_normal(d.c.shape).astype(np.float32)
                 vals[vals == 0] = 1.0

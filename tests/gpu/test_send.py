@@ -17,7 +17,7 @@ from tests.gpu.conftest import GUARD, assert_send_exact, fresh_seed, run_send
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("row_cache", [False, True], ids=["nocache", "cache"])
 def test_family_byte_exact(dev, family, row_cache):
-    for i in range(3):
+    for _ in range(3):
         case = send_case(family, fresh_seed(family))
         assert_send_exact(run_send(dev, case, row_cache=row_cache))
 
