@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from ..abi.config import P3PeerSendConfig
+from ..abi.config import P3PeerSendConfig, rank_config
 from ..abi.layout import encode_range_table
 from ..cuda import driver
 from ..ops.recv import RecvReduce
@@ -131,11 +131,8 @@ def bench_prefill(a, dev, rng, torch, out: dict, copy_stream: driver.Stream) -> 
     sender = ScatterSend(a.experts, device=dev)
     blocks = []
     for i in range(sets):
-        cfg = P3PeerSendConfig.disabled()
-        cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, srcb.ptr
-        cfg.recv_buf_ptrs = [recvs[i][p].ptr if p < a.ranks else 0x1 for p in range(8)]
-        cfg.n_ranks = cfg.p2p_world_size = a.ranks
-        cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = a.top_k, msg, a.tokens, 0
+        cfg = rank_config(n_ranks=a.ranks, recv_bufs=recvs[i][:a.ranks], top_k=a.top_k, msg_bytes=msg,
+                          max_tokens=a.tokens, range_table=rtab, src_info=srcb)
         blocks.append(sender.prepare(cfg, cs[i], offs, expert_offsets_host=off, count_ptrs=counts,
                                      rows_in_c=rows, into=sender.k.params_block()))
 
@@ -149,11 +146,8 @@ def bench_prefill(a, dev, rng, torch, out: dict, copy_stream: driver.Stream) -> 
     ident_tab = driver.DeviceBuffer.from_array(encode_range_table(off, np.diff(off).reshape(-1, 1)))
     ident_src = driver.DeviceBuffer.from_array(np.stack([np.arange(rows) // a.top_k, np.arange(rows) % a.top_k],
                                                         1).astype(np.int32))
-    icfg = P3PeerSendConfig.disabled()
-    icfg.atomic_counter, icfg.src_info_ptr = ident_tab.ptr, ident_src.ptr
-    icfg.recv_buf_ptrs = [ident_recv.ptr] + [0x1] * 7
-    icfg.n_ranks = icfg.p2p_world_size = 1
-    icfg.top_k, icfg.msg_bytes, icfg.max_tokens_per_rank, icfg.my_rank = a.top_k, msg, a.tokens, 0
+    icfg = rank_config(n_ranks=1, recv_bufs=[ident_recv], top_k=a.top_k, msg_bytes=msg, max_tokens=a.tokens,
+                       range_table=ident_tab, src_info=ident_src)
     iblk = sender.prepare(icfg, cs[0], offs, expert_offsets_host=off, count_ptrs=counts[:1], rows_in_c=rows,
                           into=sender.k.params_block())
     res["send_identity_routing"] = timer.run(lambda i: sender.launch(s, iblk), a.iters, a.warmup)
@@ -255,11 +249,8 @@ def _latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 
     sender = ScatterSend(1, device=send_dev, num_sms=num_sms, threads=threads)
     sst = driver.DeviceBuffer(16 * sender.grid, fill=0)
     sb = driver.Stream()
-    cfg = P3PeerSendConfig.disabled()
-    cfg.atomic_counter, cfg.src_info_ptr, cfg.recv_buf_ptrs = rtab.ptr, src.ptr, [recv.ptr] + [0x1] * 7
-    cfg.n_ranks = cfg.p2p_world_size = cfg.top_k = 1
-    cfg.max_tokens_per_rank = rows
-    cfg.msg_bytes, cfg.send_stamp_ptr, cfg.send_stamp_on = msg, sst.ptr, 1
+    cfg = rank_config(n_ranks=1, recv_bufs=[recv], top_k=1, msg_bytes=msg, max_tokens=rows, range_table=rtab,
+                      src_info=src, send_stamps=sst)
     sender.prepare(cfg, c, np.array([0, rows], np.int32), count_ptrs=[counts], same_gpu=same)
     recvk.prepare(cfg, recv, counts, topk, w, outb, n_tokens=1, n_experts=1, timeout_ns=int(1e9), stamps=rst)
     lat = []
@@ -326,11 +317,8 @@ def bench_epilogue(a, dev, rng, torch, out: dict) -> None:
     counts = [driver.DeviceBuffer(8 * a.experts * a.ranks, fill=0xFF) for _ in range(a.ranks)]
     rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
     offs = driver.DeviceBuffer.from_array(off)
-    cfg = P3PeerSendConfig.disabled()
-    cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, srcb.ptr
-    cfg.recv_buf_ptrs = [recvs[p].ptr if p < a.ranks else 0x1 for p in range(8)]
-    cfg.n_ranks = cfg.p2p_world_size = a.ranks
-    cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank = a.top_k, msg, a.tokens
+    cfg = rank_config(n_ranks=a.ranks, recv_bufs=recvs[:a.ranks], top_k=a.top_k, msg_bytes=msg, max_tokens=a.tokens,
+                      range_table=rtab, src_info=srcb)
     s = driver.Stream()
     timer = Timer(s)
     cache = driver.DeviceBuffer(8 * rows, fill=0)       # the row cache: zeroed before every launch
@@ -462,11 +450,8 @@ def bench_two_gpus(a, rng, torch, out: dict) -> None:
             sd["keep"] = [driver.DeviceBuffer.from_array(encode_range_table(off, owned)),
                           driver.DeviceBuffer.from_array(np.stack([np.arange(rows) // a.top_k,
                                                                    np.arange(rows) % a.top_k], 1).astype(np.int32))]
-            cfg = P3PeerSendConfig.disabled()
-            cfg.atomic_counter, cfg.src_info_ptr = sd["keep"][0].ptr, sd["keep"][1].ptr
-            cfg.recv_buf_ptrs = [side[0]["recv"].ptr, side[1]["recv"].ptr] + [0x1] * 6
-            cfg.n_ranks = cfg.p2p_world_size = 2
-            cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = a.top_k, msg, tokens, me
+            cfg = rank_config(n_ranks=2, my_rank=me, recv_bufs=[side[0]["recv"], side[1]["recv"]], top_k=a.top_k,
+                              msg_bytes=msg, max_tokens=tokens, range_table=sd["keep"][0], src_info=sd["keep"][1])
             sd["sender"] = ScatterSend(a.experts, device=sd["dev"])
             sd["sender"].prepare(cfg, sd["c"], off, count_ptrs=[side[0]["counts"], side[1]["counts"]])
         s0, s1 = side[0]["stream"], side[1]["stream"]
