@@ -483,6 +483,13 @@ def nvjitlink_missing() -> str | None:
     return None
 
 
+def targets(text: str, archs) -> list[str]:
+    """The archs to assemble ``text`` for: ``archs``, except that a file whose ``.target``
+    is arch-specific (``sm_90a``: wgmma) assembles for that target alone."""
+    specific = re.search(r"^\s*\.target\s+(sm_\d+a)\b", text, re.M)
+    return [specific.group(1)] if specific else list(archs)
+
+
 def check_file(path: Path, archs, use_ptxas: bool, use_nvjitlink: bool = True,
                notes: list[str] | None = None) -> tuple[list[Report], list[str]]:
     """Lint one file and assemble it for every arch with the tools asked for: (reports,
@@ -506,7 +513,7 @@ def check_file(path: Path, archs, use_ptxas: bool, use_nvjitlink: bool = True,
         notes.append(f"{path.name}: registers, spills and stack NOT checked: the loader inlines its calls, so "
                      "they are judged on a whole-program ptxas compile, and no ptxas is on PATH")
     reports = []
-    for arch in archs:
+    for arch in targets(text, archs):
         if use_nvjitlink:
             reports.append(assemble(whole, path.name, arch, deps, opts, judge_resources=not inlined))
         if use_ptxas:

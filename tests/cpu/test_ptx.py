@@ -46,8 +46,11 @@ def test_lint_shipped(path):
     assert ptxcheck.file_problems(text, path.name) + ptxcheck.lint(text, path.name) == []
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+CASES = [(p, a) for p in SHIPPED for a in ptxcheck.targets(p.read_text(), ARCHS)]
+CASE_IDS = [f"{p.name}-{a}" for p, a in CASES]
+
+
+@pytest.mark.parametrize(("path", "arch"), CASES, ids=CASE_IDS)
 def test_assemble_shipped(path, arch):
     text = path.read_text()
     whole, opts = ptxcheck.assembly_unit(path, text)
@@ -64,8 +67,7 @@ def test_assemble_shipped(path, arch):
 
 
 @needs_ptxas
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+@pytest.mark.parametrize(("path", "arch"), CASES, ids=CASE_IDS)
 def test_ptxas_shipped(path, arch):
     whole, _ = ptxcheck.assembly_unit(path, path.read_text())
     assert ptxcheck.assemble_ptxas(whole, path.name, arch).problems() == []

@@ -1,0 +1,175 @@
+"""``p3send bench --only gemm``: the MoE down-projection with the combine's send, in one run.
+
+At the prefill and the decode shapes (rows = tokens x top_k grouped over the local experts,
+K = --gemm-k, N = --hidden): ``torch._grouped_mm`` alone (its faster weight layout),
+``torch._grouped_mm`` then ``p3_scatter_send`` on one stream, ``p3_gemm_send`` with the send
+gated off (writes C), and ``p3_gemm_send`` with the send in its epilogue (8 ranks on this
+GPU, .gpu-scope signal for both sends). Before timing, the fused launch's receive buffers and
+counts are checked byte for byte against the gated launch's C sent by ``p3_scatter_send``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..abi.config import P3PeerSendConfig
+from ..cuda import driver
+from ..ops.gemm import GroupedGemmSend
+from ..ops.send import ScatterSend
+from .bench import Timer, prefill_routing
+
+SECTION_SHAPES = ("prefill", "decode")
+
+
+def _cfg(rtab, src, recv, ranks, top_k, msg, tokens) -> P3PeerSendConfig:
+    cfg = P3PeerSendConfig.disabled()
+    cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, src.ptr
+    cfg.recv_buf_ptrs = [recv[p].ptr if p < ranks else 0x1 for p in range(8)]
+    cfg.n_ranks = cfg.p2p_world_size = ranks
+    cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = top_k, msg, tokens, 0
+    return cfg
+
+
+def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -> dict:
+    """One shape: every contender's median time, TFLOP/s and the ratios (see the module doc)."""
+    E, N, K, ranks, top_k = a.experts, a.hidden, a.gemm_k, a.ranks, a.top_k
+    off, table, src, _ = prefill_routing(tokens, ranks, top_k, E, rng)
+    rows, msg = tokens * top_k, 2 * N
+    flops = 2.0 * rows * N * K
+    s = driver.Stream()
+    ts = torch.cuda.ExternalStream(int(s))
+    timer = Timer(s)
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 31)))
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(E, N, K, device="cuda", dtype=torch.float32, generator=g) * K ** -0.5).to(torch.bfloat16)
+    ends = torch.as_tensor(off[1:], dtype=torch.int32, device="cuda")
+    w_kn = w.transpose(1, 2).contiguous()                 # (E, K, N) row-major: the other layout
+    layouts = {"w (E,N,K) as B^T": w.transpose(1, 2), "w (E,K,N)": w_kn}
+    rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
+    offs = driver.DeviceBuffer.from_array(off)
+    recv_bytes = tokens * top_k * msg
+    recvs = [[driver.DeviceBuffer(recv_bytes, fill=0xAB) for _ in range(ranks)] for _ in range(2)]
+    counts = [[driver.DeviceBuffer(8 * E * ranks, fill=0xFF) for _ in range(ranks)] for _ in range(2)]
+    cfgs = [_cfg(rtab, srcb, recvs[i], ranks, top_k, msg, tokens) for i in range(2)]
+    c = torch.full((rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    res, out = {}, {"rows": rows, "n": N, "k": K, "experts": E, "gflop": flops / 1e9}
+    bms = (128, 64)
+    gemms = {"inlined": GroupedGemmSend(E, device=dev)}
+    if linked:
+        gemms["linked"] = GroupedGemmSend(E, device=dev, linked=True)
+    sender = ScatterSend(E, device=dev)
+    try:
+        gem = gemms["inlined"]
+        common = dict(expert_offsets_host=off, rows=rows, n_cols=N, k_dim=K)
+        blocks = {}     # one prepared launch per variant
+        for bm in bms:
+            blocks[f"gated bm={bm}"] = gem.prepare(cfgs[0], x, w, offs, c, bm=bm, into=gem.k.params_block(),
+                                                   **common)
+            blocks[f"fused bm={bm}"] = gem.prepare(cfgs[1], x, w, offs, bm=bm, count_ptrs=[b.ptr for b in counts[1]],
+                                                   p3_control=0, same_gpu=True, into=gem.k.params_block(), **common)
+        # correctness before timing: fused == gated C sent by p3_scatter_send, byte for byte
+        checks = {}
+        for bm in bms:
+            for i in range(2):
+                for b in recvs[i]:
+                    b.fill(0xAB)
+                for b in counts[i]:
+                    b.fill(0xFF)
+            gem.launch(s, blocks[f"gated bm={bm}"])
+            sender(cfgs[0], c.view(torch.uint8), offs, expert_offsets_host=off, count_ptrs=[b.ptr for b in counts[0]],
+                   same_gpu=True, stream=s)
+            gem.launch(s, blocks[f"fused bm={bm}"])
+            s.synchronize()
+            same = all(_equal(torch, recvs[0][p], recvs[1][p]) for p in range(ranks))
+            same_counts = all(np.array_equal(counts[0][p].download(np.uint64), counts[1][p].download(np.uint64))
+                              for p in range(ranks))
+            checks[f"bm={bm}"] = bool(same and same_counts)
+        out["fused_equals_gated_then_scatter_send"] = checks
+        # timings
+        for name, bw in layouts.items():
+            def tgm(i, bw=bw):
+                with torch.cuda.stream(ts):
+                    torch._grouped_mm(x, bw, offs=ends)
+            try:
+                res[f"torch._grouped_mm, {name}"] = timer.run(tgm, a.iters, a.warmup)
+            except RuntimeError as e:          # a layout this torch does not take
+                out.setdefault("torch_layout_errors", {})[name] = str(e)[:200]
+        best = min((k for k in res if k.startswith("torch._grouped_mm")), key=lambda k: res[k]["median_us"])
+        bw = layouts[best.split(", ", 1)[1]]
+        prepared = {}
+
+        def tgm_send(i):
+            with torch.cuda.stream(ts):
+                y = torch._grouped_mm(x, bw, offs=ends)
+            blk = prepared.get(y.data_ptr())
+            if blk is None:   # the caching allocator hands back the same block: prepared once
+                blk = prepared[y.data_ptr()] = sender.prepare(cfgs[0], y.view(torch.uint8), offs, expert_offsets_host=off,
+                                                              count_ptrs=[b.ptr for b in counts[0]], same_gpu=True,
+                                                              into=sender.k.params_block())
+            sender.launch(s, blk)
+        res["torch._grouped_mm + p3_scatter_send"] = timer.run(tgm_send, a.iters, a.warmup)
+        for name, blk in blocks.items():
+            res[f"p3_gemm_send {name}"] = timer.run(lambda i, blk=blk: gem.launch(s, blk), a.iters, a.warmup)
+        if "linked" in gemms:
+            lk = gemms["linked"]
+            bm = 128 if rows > 64 * E else 64
+            lk.prepare(cfgs[1], x, w, offs, bm=bm, count_ptrs=[b.ptr for b in counts[1]], p3_control=0,
+                       same_gpu=True, **common)
+            res[f"p3_gemm_send fused bm={bm}, linked (cuLink)"] = timer.run(lambda i: lk.launch(s), a.iters // 2 + 2, 2)
+        for v in res.values():
+            v["TFLOPs"] = flops / (v["median_us"] * 1e-6) / 1e12
+        mine = {bm: res[f"p3_gemm_send gated bm={bm}"]["median_us"] for bm in bms}
+        bm = min(mine, key=mine.get)
+        t_gm = res[best]["median_us"]
+        t_fused = res[f"p3_gemm_send fused bm={bm}"]["median_us"]
+        out.update(results=res, best_torch=best, best_bm=bm,
+                   gemm_over_torch=mine[bm] / t_gm,
+                   fused_over_gemm=t_fused / mine[bm],
+                   fused_over_torch_then_send=t_fused / res["torch._grouped_mm + p3_scatter_send"]["median_us"])
+    finally:
+        for gm in gemms.values():
+            gm.close()
+        sender.close()
+        for b in [x for r in recvs for x in r] + [x for r in counts for x in r] + [rtab, srcb, offs]:
+            b.free()
+    return out
+
+
+def _equal(torch, a, b) -> bool:
+    ta = torch.as_tensor(a, device="cuda")
+    tb = torch.as_tensor(b, device="cuda")
+    return bool(torch.equal(ta, tb))
+
+
+def bench_gemm(a, dev, rng, torch, out: dict, *, linked: bool = True) -> None:
+    """The ``gemm`` section: both shapes into out["gemm"]."""
+    if torch is None:
+        out["gemm"] = {"skipped": "needs torch (torch._grouped_mm is the baseline)"}
+        return
+    if tuple(dev.cc) != (9, 0):
+        out["gemm"] = {"skipped": f"p3_gemm_send is Hopper-only (sm_90a); {dev.name} is sm_{dev.cc[0]}{dev.cc[1]}"}
+        return
+    out["gemm"] = {shape: bench_gemm_shape(a, dev, rng, torch, a.tokens if shape == "prefill" else a.decode_tokens,
+                                           linked=linked)
+                   for shape in SECTION_SHAPES}
+
+
+def table(out: dict) -> str:
+    g = out.get("gemm")
+    if not g:
+        return ""
+    if "skipped" in g:
+        return f"\n8. grouped GEMM + send: skipped ({g['skipped']})"
+    L = []
+    for shape, r in g.items():
+        L.append(f"\n8. grouped GEMM + send, {shape}: {r['rows']} rows over {r['experts']} experts, K={r['k']}, "
+                 f"N={r['n']} ({r['gflop']:.1f} GFLOP); fused == gated C then p3_scatter_send: "
+                 f"{r['fused_equals_gated_then_scatter_send']}")
+        for k, v in r["results"].items():
+            L.append(f"   {k:<48} {v['median_us']:9.1f} us  {v['TFLOPs']:6.1f} TFLOP/s")
+        L.append(f"   gemm (bm={r['best_bm']}) / best torch._grouped_mm  {r['gemm_over_torch']:.3f}x  "
+                 f"(target <= 1.00 prefill, < 1.00 decode)")
+        L.append(f"   fused / gemm                             {r['fused_over_gemm']:.3f}x  "
+                 f"(target <= 1.03 prefill, <= 1.02 decode)")
+        L.append(f"   fused / torch._grouped_mm then send      {r['fused_over_torch_then_send']:.3f}x  (target <= 0.90)")
+    return "\n".join(L)
