@@ -1,4 +1,4 @@
-"""Layout formulas and buffer helpers of the protocol (SPEC §2–3). Numpy only.
+"""Layout formulas and buffer helpers of the protocol (docs/ABI.md §5–6). Numpy only.
 
 Shapes and dtypes are given on each helper; "absolute row" is a row index of the
 expert-grouped L2 output C.
@@ -6,6 +6,7 @@ expert-grouped L2 output C.
 from __future__ import annotations
 
 import numpy as np
+
 from .errors import ConfigError
 
 #: Added to ``t_end`` in word0 of a range entry: the data-ready flag written by dispatch.

@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 import time
 
+from ..abi.errors import ConfigError
 from ..cuda import driver
 from ..ops.procs import run_ranks
 from ..oracle.rounds import RoundJob, run_round_job
-from ..abi.errors import ConfigError
 
 # ---------------------------------------------------------------- p3send demo --procs
 

@@ -1,6 +1,6 @@
 """``p3send trace``: a round's %globaltimer stamps as a Chrome trace (and a PNG).
 
-The stamps come from ``Combine.timeline()`` (SPEC §3, the headers of
+The stamps come from ``Combine.timeline()`` (docs/KERNELS.md, the headers of
 ``ptx/p3_scatter_send.ptx`` and ``ptx/p3_recv_reduce.ptx``): per rank a dict
 
     {"send": [[first_ns, last_ns], ...],                       # one per send CTA
@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+
 from ..abi.errors import ConfigError
 
 #: The receive stamp fields, in order (``p3_recv_reduce`` stamp_ptr).

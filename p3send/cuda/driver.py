@@ -186,12 +186,22 @@ def device(ordinal: int | None = None) -> Device:
 
 
 class Stream:
-    """A non-blocking stream (or the legacy default stream when ``null``)."""
+    """A non-blocking stream (or the legacy default stream when ``null``). ``as_stream``
+    wraps anyone else's stream without owning it."""
 
     def __init__(self, null: bool = False):
         cu = _cu()
         self.handle = cu.CUstream(0) if null else call("cuStreamCreate", 1)  # CU_STREAM_NON_BLOCKING
         self._owned = not null
+        self._source = None
+
+    @classmethod
+    def borrow(cls, handle, source=None) -> Stream:
+        """A non-owning wrapper of an existing stream handle (``close`` leaves it alone);
+        ``source`` (the object it came from) is kept alive with the wrapper."""
+        s = cls.__new__(cls)
+        s.handle, s._owned, s._source = _cu().CUstream(int(handle)), False, source
+        return s
 
     def synchronize(self) -> None:
         call("cuStreamSynchronize", self.handle)
@@ -209,6 +219,12 @@ class Stream:
             _raise(cu, "cuStreamQuery", err)
         return True
 
+    def capturing(self) -> bool:
+        """Whether this stream is being captured into a CUDA graph (by p3send, torch, ...)."""
+        cu = _cu()
+        st = call("cuStreamIsCapturing", self.handle)
+        return st != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
     def close(self) -> None:
         if self._owned:
             self._owned = False
@@ -218,12 +234,38 @@ class Stream:
         return int(self.handle)
 
 
+def as_stream(obj) -> Stream:
+    """Any stream as a ``Stream``, never owned (closing the result leaves it alone):
+    a ``Stream`` (returned as is), an object with the ``__cuda_stream__`` protocol
+    (``(version, handle)``), a torch stream (``cuda_stream``), a cupy stream (``ptr``),
+    a ``CUstream``/``cudaStream_t``, or a raw handle (int; 0 = the legacy default stream).
+    Raises ConfigTypeError naming what it got."""
+    if isinstance(obj, Stream):
+        return obj
+    proto = getattr(obj, "__cuda_stream__", None)
+    if proto is not None:
+        val = proto() if callable(proto) else proto
+        if not (isinstance(val, tuple) and len(val) == 2):
+            raise ConfigTypeError(f"stream: __cuda_stream__ must give (version, handle), got {val!r}", "argument")
+        return Stream.borrow(int(val[1]), obj)
+    for attr in ("cuda_stream", "ptr"):          # torch.cuda.Stream / ExternalStream, cupy Stream
+        h = getattr(obj, attr, None)
+        if isinstance(h, (int, np.integer)):
+            return Stream.borrow(int(h), obj)
+    if isinstance(obj, (int, np.integer)) and not isinstance(obj, bool):
+        return Stream.borrow(int(obj))
+    if type(obj).__name__ in ("CUstream", "cudaStream_t"):
+        return Stream.borrow(int(obj), obj)
+    raise ConfigTypeError(f"stream: expected a p3send Stream, a torch or cupy stream, an object with "
+                          f"__cuda_stream__, a CUstream or an int handle, got {type(obj).__name__}", "argument")
+
+
 class Event:
     def __init__(self, timing: bool = True):
         self.handle = call("cuEventCreate", 0 if timing else 2)  # 2 = CU_EVENT_DISABLE_TIMING
 
-    def record(self, stream: Stream) -> Event:
-        call("cuEventRecord", self.handle, stream.handle)
+    def record(self, stream) -> Event:
+        call("cuEventRecord", self.handle, as_stream(stream).handle)
         return self
 
     def synchronize(self) -> None:
@@ -292,7 +334,7 @@ class DeviceBuffer:
         n = self.nbytes - offset if nbytes is None else nbytes
         self._check(n, offset)
         if n:
-            call("cuMemsetD8Async", self.ptr + offset, byte & 0xFF, n, (stream or _null()).handle)
+            call("cuMemsetD8Async", self.ptr + offset, byte & 0xFF, n, as_stream(stream or _null()).handle)
             if stream is None:
                 call("cuCtxSynchronize")
 
@@ -331,6 +373,8 @@ def device_ptr(obj, what: str = "buffer") -> int:
         return obj.ptr
     if isinstance(obj, (int, np.integer)):
         return int(obj)
+    if hasattr(obj, "data_ptr") and hasattr(obj, "device"):    # torch: its CAI refuses some dtypes
+        return int(obj.data_ptr())
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         return int(cai["data"][0])
@@ -360,10 +404,11 @@ def load_module(ptx: str | bytes, name: str = "<ptx>"):
     return res[1], text(info)
 
 
-def link_ptx(inputs, options: dict | None = None) -> tuple[bytes, str]:
+def link_ptx(inputs, options: dict | None = None, libraries=()) -> tuple[bytes, str]:
     """Link PTX inputs ((name, text) pairs, ``.extern`` references resolved across them)
     with the driver's JIT linker (cuLink*); return (the cubin, the info log).
-    ``options``: extra CUjit_option name -> value, e.g. {"CU_JIT_MAX_REGISTERS": 128}."""
+    ``options``: extra CUjit_option name -> value, e.g. {"CU_JIT_MAX_REGISTERS": 128};
+    ``libraries``: paths of device-code archives linked after them (e.g. libcudadevrt.a)."""
     cu = _cu()
     info, error = bytearray(1 << 16), bytearray(1 << 16)
     J = cu.CUjit_option
@@ -382,6 +427,11 @@ def link_ptx(inputs, options: dict | None = None) -> tuple[bytes, str]:
             if res[0] != cu.CUresult.CUDA_SUCCESS:
                 raise CudaError("cuLinkAddData", _err_name(cu, res[0]), int(res[0]), _err_str(cu, res[0]),
                                 f"[{name}]\n" + text(error))
+        for path in libraries:
+            res = cu.cuLinkAddFile(state, cu.CUjitInputType.CU_JIT_INPUT_LIBRARY, str(path).encode(), 0, [], [])
+            if res[0] != cu.CUresult.CUDA_SUCCESS:
+                raise CudaError("cuLinkAddFile", _err_name(cu, res[0]), int(res[0]), _err_str(cu, res[0]),
+                                f"[{path}]\n" + text(error))
         res = cu.cuLinkComplete(state)
         if res[0] != cu.CUresult.CUDA_SUCCESS:
             raise CudaError("cuLinkComplete", _err_name(cu, res[0]), int(res[0]), _err_str(cu, res[0]), text(error))
@@ -424,9 +474,11 @@ def occupancy(func, block: int, smem: int = 0) -> int:
     return call("cuOccupancyMaxActiveBlocksPerMultiprocessor", func, block, smem)
 
 
-def launch(func, grid, block, smem: int, stream: Stream, param_addrs: np.ndarray, name: str = "kernel") -> None:
+def launch(func, grid, block, smem: int, stream, param_addrs: np.ndarray, name: str = "kernel") -> None:
     """Launch with a prebuilt array of parameter addresses (np.uint64, one per parameter,
-    each pointing at a live ctypes object holding the value)."""
+    each pointing at a live ctypes object holding the value). ``stream``: anything
+    ``as_stream`` takes (every launcher's streams pass through here)."""
+    stream = as_stream(stream)
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
     try:
@@ -447,11 +499,11 @@ class Graph:
         self.exec, self.graph = exec_handle, graph_handle
 
     @staticmethod
-    def capture(origin: Stream, others=()):
-        return _Capture(origin, list(others))
+    def capture(origin, others=()):
+        return _Capture(as_stream(origin), [as_stream(o) for o in others])
 
-    def launch(self, stream: Stream) -> None:
-        call("cuGraphLaunch", self.exec, stream.handle)
+    def launch(self, stream) -> None:
+        call("cuGraphLaunch", self.exec, as_stream(stream).handle)
 
     def close(self) -> None:
         if self.exec is not None:
@@ -518,3 +570,77 @@ def memcpy_peer(dst: int, dst_dev: Device, src: int, src_dev: Device, nbytes: in
 
 def memcpy_dtod(dst: int, src: int, nbytes: int, stream: Stream) -> None:
     call("cuMemcpyDtoDAsync", dst, src, nbytes, stream.handle)
+
+
+def pointer_ordinal(addr: int) -> int | None:
+    """The ordinal of the GPU whose memory ``addr`` is (cuPointerGetAttribute), or None
+    when the driver does not know the address (host memory, a stale or made-up address)."""
+    cu = _cu()
+    res = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, int(addr))
+    return int(res[1]) if res[0] == cu.CUresult.CUDA_SUCCESS else None
+
+
+# ---------------------------------------------------------------- conditional graph nodes
+
+class _IfBody:
+    """``captured_if``'s context: the stream that captures the body of the IF node."""
+
+    def __init__(self, stream: Stream, set_condition):
+        self.stream, self.set_condition = stream, set_condition
+
+    def __enter__(self) -> Stream:
+        cu = _cu()
+        s = self.stream
+        info = call("cuStreamGetCaptureInfo", s.handle)
+        if info[0] != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            raise CudaError("cuStreamGetCaptureInfo", "NOT_CAPTURING", 0,
+                            "a conditional node needs a stream that is being captured into a CUDA graph "
+                            "(torch.cuda.graph, driver.Graph.capture)")
+        graph = info[2]
+        ctx = call("cuCtxGetCurrent")
+        handle = call("cuGraphConditionalHandleCreate", graph, ctx, 0, cu.CU_GRAPH_COND_ASSIGN_DEFAULT)
+        self.set_condition(s, handle)               # a captured kernel that sets it from device memory
+        info = call("cuStreamGetCaptureInfo", s.handle)
+        deps = list(info[3])[: int(info[5])]
+        params = cu.CUgraphNodeParams()
+        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle
+        params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
+        params.conditional.size = 1
+        params.conditional.ctx = ctx
+        node = call("cuGraphAddNode", graph, deps, None, len(deps), params)
+        call("cuStreamUpdateCaptureDependencies", s.handle, [node], None, 1,
+             int(cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES))
+        body = params.conditional.phGraph_out[0]
+        self.body_stream = _body_stream()
+        call("cuStreamBeginCaptureToGraph", self.body_stream.handle, body, None, None, 0,
+             cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+        return self.body_stream
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            call("cuStreamEndCapture", self.body_stream.handle)
+        except CudaError:
+            if exc_type is None:
+                raise
+        return False
+
+
+_body = None
+
+
+def _body_stream() -> Stream:
+    global _body
+    if _body is None:
+        _body = Stream()
+    return _body
+
+
+def captured_if(stream, set_condition) -> _IfBody:
+    """In ``stream`` (being captured into a CUDA graph): a conditional IF node, on the
+    stream's current dependencies, whose body is what the ``with`` block enqueues on the
+    stream it yields; work enqueued on ``stream`` afterwards depends on the node.
+    ``set_condition(stream, handle)`` must enqueue, on ``stream``, the kernel that sets
+    the condition (``cudaGraphSetConditional``) from device memory: no host value decides
+    at replay. The handle resets to 0 (skip) at every graph launch."""
+    return _IfBody(as_stream(stream), set_condition)

@@ -190,11 +190,12 @@ def load(source, *, device: driver.Device | None = None, name: str | None = None
 
 
 def link(sources, *, device: driver.Device | None = None, name: str = "<linked>",
-         max_registers: int | None = None) -> Module:
+         max_registers: int | None = None, libraries=()) -> Module:
     """Link PTX sources ((name, text) pairs; names of shipped files may be given alone,
     e.g. ``"p3_send_rows"``) with the driver's JIT linker, resolving ``.extern .func``
     references across them: how a runtime links p3send's device functions into its own
-    kernel. Every documented entry of the sources is checked as in ``load``."""
+    kernel. Every documented entry of the sources is checked as in ``load``. ``libraries``:
+    device-code archives to link as well (paths, e.g. libcudadevrt.a)."""
     dev = device or driver.device()
     pairs = []
     for src in sources:
@@ -204,7 +205,8 @@ def link(sources, *, device: driver.Device | None = None, name: str = "<linked>"
         else:
             pairs.append((src[0], src[1]))
     dev.activate()
-    image, _ = driver.link_ptx(pairs, {"CU_JIT_MAX_REGISTERS": max_registers} if max_registers else None)
+    image, _ = driver.link_ptx(pairs, {"CU_JIT_MAX_REGISTERS": max_registers} if max_registers else None,
+                               libraries)
     return Module("\n".join(t for _, t in pairs), name, dev, image=image)
 
 

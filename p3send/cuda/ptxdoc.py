@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
 from ..abi.errors import ConfigError
 
 #: Parameter types a header may use, with (size, alignment).

@@ -63,6 +63,40 @@ def rank_inputs(what: str, *, c, expert_offsets, range_table, src_info, topk_idx
             "weights": np.asarray(weights, dtype=np.float32)}
 
 
+def bound_inputs(what: str, ordinal: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights,
+                 out, hidden: int, top_k: int, n_local: int, n_ranks: int, max_tokens: int) -> int:
+    """Check one rank's inputs given as device arrays (torch tensors, CAI objects,
+    DeviceBuffers) that the caller owns and refreshes in place; return the token count
+    (``topk_idx``'s leading dimension: the launch uses it, not device values).
+    c: bf16 (rows, hidden); expert_offsets int32 (n_local+1,); range_table int32
+    (n_local*n_ranks*2,); src_info int32 (>= rows, 2); topk_idx int32 (tokens, top_k);
+    weights f32 (tokens, top_k); out bf16 (tokens, hidden). Raises ConfigError titled
+    ``what`` listing every problem (dtype, device, size), before anything is launched."""
+    from .args import array_arg
+    problems = []
+    shape = tuple(getattr(topk_idx, "shape", ())) or tuple(topk_idx.__cuda_array_interface__["shape"])
+    tokens = int(shape[0]) if len(shape) == 2 else -1
+    if len(shape) != 2 or shape[1] != top_k or not (0 <= tokens <= max_tokens):
+        problems.append(f"topk_idx: expected (tokens <= {max_tokens}, {top_k}) int32, got shape {shape}")
+    tokens = max(tokens, 0)
+    _, c_bytes = array_arg(c, "c", problems, dtypes=("bfloat16", "uint16", "int16"), ordinal=ordinal)
+    cshape = tuple(getattr(c, "shape", ()))
+    rows = int(cshape[0]) if cshape else ((c_bytes or 0) // (2 * hidden) if hidden > 0 else 0)
+    if cshape and (len(cshape) != 2 or cshape[1] != hidden):
+        problems.append(f"c: expected (rows, {hidden}) bf16, got shape {cshape}")
+    for name, obj, dtypes, nbytes in (
+            ("expert_offsets", expert_offsets, ("int32",), 4 * (n_local + 1)),
+            ("range_table", range_table, ("int32",), 8 * n_local * n_ranks),
+            ("src_info", src_info, ("int32",), 8 * rows),
+            ("topk_idx", topk_idx, ("int32",), 4 * tokens * top_k),
+            ("weights", weights, ("float32",), 4 * tokens * top_k),
+            ("out", out, ("bfloat16", "uint16", "int16"), 2 * tokens * hidden)):
+        array_arg(obj, name, problems, dtypes=dtypes, nbytes_min=nbytes, ordinal=ordinal)
+    if problems:
+        raise ConfigError(problems, what)
+    return tokens
+
+
 def arrival_status(rank: int, receiver: RecvReduce, counts: driver.DeviceBuffer, n_ranks: int):
     """After rank's receive: ([], None) when every wait was satisfied, else (the missing
     (rank, local_expert, source_rank) triples read from the counts still all-ones, the
@@ -88,8 +122,11 @@ class Combine:
 
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  max_rows: int | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
-                 guard: bool = False, stamps: bool = True, num_sms: int | None = None, row_cache: bool = False):
-        """num_sms: SMs per rank's send (default: 2 x the GPU's SMs / n_ranks, at most all)."""
+                 guard: bool = False, stamps: bool = True, num_sms: int | None = None, row_cache: bool = False,
+                 inputs: bool = True):
+        """num_sms: SMs per rank's send (default: 2 x the GPU's SMs / n_ranks, at most all);
+        inputs: allocate C, the routing inputs, topk_idx/weights and out here (uploaded by
+        ``set_rank``); False: the caller owns them and attaches them with ``bind``."""
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
         if problems:
@@ -108,14 +145,15 @@ class Combine:
         alloc = lambda n, fill=None: self._keep(driver.DeviceBuffer(n, fill=fill))  # noqa: E731
         self.recv_alloc = [alloc(self.recv_bytes + 2 * self.guard, 0xAB) for _ in R]
         self.counts = [alloc(8 * n_slots, 0xFF) for _ in R]
-        self.c = [alloc(max(self.max_rows, 1) * self.msg) for _ in R]
-        self.offs = [alloc(4 * (n_local_experts + 1), 0) for _ in R]
-        self.rtab = [alloc(8 * n_slots, 0) for _ in R]
-        self.src_info = [alloc(8 * max(self.max_rows, 1), 0xFF) for _ in R]
+        mine = alloc if inputs else (lambda n, fill=None: None)
+        self.c = [mine(max(self.max_rows, 1) * self.msg) for _ in R]
+        self.offs = [mine(4 * (n_local_experts + 1), 0) for _ in R]
+        self.rtab = [mine(8 * n_slots, 0) for _ in R]
+        self.src_info = [mine(8 * max(self.max_rows, 1), 0xFF) for _ in R]
         self.row_base = [alloc(8 * max(self.max_rows, 1), 0) if row_cache else None for _ in R]
-        self.topk_idx = [alloc(4 * max(max_tokens * top_k, 1), 0xFF) for _ in R]
-        self.weights = [alloc(4 * max(max_tokens * top_k, 1), 0) for _ in R]
-        self.out = [alloc(max(max_tokens, 1) * self.msg, 0) for _ in R]
+        self.topk_idx = [mine(4 * max(max_tokens * top_k, 1), 0xFF) for _ in R]
+        self.weights = [mine(4 * max(max_tokens * top_k, 1), 0) for _ in R]
+        self.out = [mine(max(max_tokens, 1) * self.msg, 0) for _ in R]
         # On one GPU the ranks share it: by default each rank's send gets 2/n_ranks of the
         # SMs, so the sends of a round run at once instead of one after another, and the
         # CTAs of ranks with fewer rows leave their SMs to the others' (2x oversubscribed:
@@ -133,7 +171,7 @@ class Combine:
         self.fork = driver.Event(timing=False)
         self.stamps_on = stamps
         self.tokens = [0] * n_ranks
-        self.cfgs = [self._config(r) for r in R]
+        self.cfgs = [self._config(r) if inputs else None for r in R]
 
     def _keep(self, buf):
         self._bufs.append(buf)
@@ -178,6 +216,22 @@ class Combine:
         """Replace rank r's C values in place (same routing), e.g. between graph replays."""
         self.c[r].upload(np.ascontiguousarray(c).view(np.uint16))
 
+    def bind(self, r: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights, out) -> None:
+        """Attach rank r's inputs and output as device arrays the caller owns (torch
+        tensors, CAI objects, DeviceBuffers; shapes as ``set_rank``, out bf16 (tokens,
+        hidden)), checked for dtype, device and size (ConfigError before any launch).
+        Rounds and captured graphs then read them in place: refresh their contents
+        between rounds or replays; bind again only when an array moves. The token
+        count is ``topk_idx``'s leading dimension now (the launch takes it as a value)."""
+        self.tokens[r] = bound_inputs(f"rank {r} inputs", self.dev.ordinal, c=c, expert_offsets=expert_offsets,
+                                      range_table=range_table, src_info=src_info, topk_idx=topk_idx,
+                                      weights=weights, out=out, hidden=self.hidden, top_k=self.top_k,
+                                      n_local=self.n_local, n_ranks=self.n_ranks, max_tokens=self.max_tokens)
+        self.c[r], self.offs[r], self.rtab[r], self.src_info[r] = c, expert_offsets, range_table, src_info
+        self.topk_idx[r], self.weights[r], self.out[r] = topk_idx, weights, out
+        self.cfgs[r] = self._config(r)
+        self._prepare(r)
+
     def _prepare(self, r: int) -> None:
         self.senders[r].prepare(self.cfgs[r], self.c[r], self.offs[r],
                                 count_ptrs=[self.counts[p] for p in range(self.n_ranks)],
@@ -187,10 +241,16 @@ class Combine:
                                   timeout_ns=self.timeout_ns, stamps=self.recv_stamps[r])
 
     # ------------------------------------------------------------ the round
-    def enqueue(self, skip_send=(), send=True, receive=True) -> None:
+    def enqueue(self, skip_send=(), send=True, receive=True, *, stream=None, gate=None) -> None:
         """Enqueue one round (or only its sends / only its receives) on the rank
-        streams, forked from and joined into ``origin``."""
-        self.fork.record(self.origin)
+        streams, forked from and joined into ``stream`` (anything ``driver.as_stream``
+        takes: a torch or cupy stream, a handle; default ``origin``). ``gate``: while
+        ``stream`` is being captured, a device u32 array [n_ranks]: rank r's send runs at
+        a replay only if gate[r] != 0 then (``cuda.gate``; the runtime writes it)."""
+        origin = self.origin if stream is None else driver.as_stream(stream)
+        if gate is not None:
+            from ..cuda.gate import gated
+        self.fork.record(origin)
         for r in range(self.n_ranks):
             s = self.streams[r]
             s.wait(self.fork)
@@ -201,7 +261,12 @@ class Combine:
             if self.stamps_on:  # stamps describe the latest round only
                 self.send_stamps[r].fill(0, s)
                 self.recv_stamps[r].fill(0, s)
-            if r not in skip_send:
+            if r in skip_send:
+                pass
+            elif gate is not None:
+                with gated(s, gate, r, self.dev) as body:
+                    self.senders[r].launch(body)
+            else:
                 self.senders[r].launch(s)
             self.sent[r].record(s)
         for r in range(self.n_ranks if receive else 0):
@@ -212,15 +277,16 @@ class Combine:
                         s.wait(self.sent[p])
             self.receivers[r].launch(s)
         for r in range(self.n_ranks):
-            self.origin.wait(self.done[r].record(self.streams[r]))
+            origin.wait(self.done[r].record(self.streams[r]))
 
-    def round(self, skip_send=(), send=True, receive=True) -> None:
+    def round(self, skip_send=(), send=True, receive=True, *, stream=None) -> None:
         """Run one round and check it: raises ArrivalTimeout naming every missing
         (rank, expert, source rank) pair; the counts are then re-armed so the next round
         starts clean. ``skip_send`` leaves those ranks' sends out (tests a dead rank);
-        ``send``/``receive`` run one half (to inspect the counts in between)."""
-        self.enqueue(skip_send, send, receive)
-        self.origin.synchronize()
+        ``send``/``receive`` run one half (to inspect the counts in between); ``stream``:
+        run it in that stream's order (as ``enqueue``), which is then synchronized."""
+        self.enqueue(skip_send, send, receive, stream=stream)
+        (self.origin if stream is None else driver.as_stream(stream)).synchronize()
         if receive:
             self.check()
 
@@ -229,6 +295,8 @@ class Combine:
         return self.counts[r].download(np.uint64)
 
     def check(self) -> None:
+        """After a round has completed (its stream synchronized): raise ArrivalTimeout
+        naming every missing pair if any wait timed out, re-arming the counts first."""
         missing, record = [], None
         for r in range(self.n_ranks):
             m, rec = arrival_status(r, self.receivers[r], self.counts[r], self.n_ranks)
@@ -239,11 +307,11 @@ class Combine:
                 self.counts[r].fill(0xFF)
             raise ArrivalTimeout(missing, record, self.timeout_ns)
 
-    def capture(self, send=True, receive=True) -> driver.Graph:
-        """A CUDA graph of one round (or of one half, as ``enqueue``); replay with
-        ``graph.launch(combine.origin)``."""
+    def capture(self, send=True, receive=True, *, gate=None) -> driver.Graph:
+        """A CUDA graph of one round (or of one half, as ``enqueue``, with its ``gate``);
+        replay with ``graph.launch(combine.origin)`` or on any stream."""
         with driver.Graph.capture(self.origin, self.streams) as cap:
-            self.enqueue(send=send, receive=receive)
+            self.enqueue(send=send, receive=receive, gate=gate)
         return cap.graph
 
     # ------------------------------------------------------------ results

@@ -37,11 +37,11 @@ import socket
 
 import numpy as np
 
+from ..abi.config import rank_config, shape_problems
 from ..abi.errors import ArrivalTimeout, ConfigError, P3SendError
 from ..abi.layout import SENTINEL, recv_buf_bytes, recv_counts_len
 from ..cuda import driver
-from ..abi.config import rank_config, shape_problems
-from .combine import GUARD, arrival_status, device_ptr_or_none, rank_inputs
+from .combine import GUARD, arrival_status, bound_inputs, device_ptr_or_none, rank_inputs
 from .recv import RecvReduce
 from .send import ScatterSend
 
@@ -71,7 +71,10 @@ class Rank:
     def __init__(self, rank: int, n_ranks: int, exchange, *, max_tokens: int, top_k: int, hidden: int,
                  n_local_experts: int, device: int | None = None, max_rows: int | None = None,
                  timeout_ms: float = 2000.0, sync_timeout_s: float = 60.0, sync_sends: bool | None = None,
-                 guard: bool = False, row_cache: bool = False, num_sms: int | None = None):
+                 guard: bool = False, row_cache: bool = False, num_sms: int | None = None, inputs: bool = True):
+        """inputs: allocate C, the routing inputs, topk_idx/weights and out here (``set_inputs``
+        uploads them); False: the caller owns them as device arrays and attaches them with
+        ``bind`` (e.g. torch tensors refreshed in place)."""
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
         if not (0 <= rank < n_ranks):
@@ -98,7 +101,7 @@ class Rank:
         self.sender = self.receiver = self.stream = None
         self.dev = driver.device(device)   # this process's GPU, before any other CUDA call
         try:
-            self._allocate(row_cache, num_sms)
+            self._allocate(row_cache, num_sms, inputs)
             self._connect(sync_sends)
             self.barrier()                 # every rank has mapped its peers and armed its counts
         except BaseException:
@@ -111,19 +114,20 @@ class Rank:
         self._bufs.append(buf)
         return buf
 
-    def _allocate(self, row_cache: bool, num_sms: int | None) -> None:
+    def _allocate(self, row_cache: bool, num_sms: int | None, inputs: bool = True) -> None:
         n_slots, rows = recv_counts_len(self.n_local, self.n_ranks), max(self.max_rows, 1)
         pairs = max(self.max_tokens * self.top_k, 1)
         self.recv = self._alloc(self.recv_bytes + 2 * self.guard, SENTINEL)
         self.counts = self._alloc(8 * n_slots, 0xFF)
-        self.c = self._alloc(rows * self.msg)
-        self.offs = self._alloc(4 * (self.n_local + 1), 0)
-        self.rtab = self._alloc(8 * n_slots, 0)
-        self.src_info = self._alloc(8 * rows, 0xFF)
+        mine = self._alloc if inputs else (lambda n, fill=None: None)
+        self.c = mine(rows * self.msg)
+        self.offs = mine(4 * (self.n_local + 1), 0)
+        self.rtab = mine(8 * n_slots, 0)
+        self.src_info = mine(8 * rows, 0xFF)
         self.row_base = self._alloc(8 * rows, 0) if row_cache else None
-        self.topk_idx = self._alloc(4 * pairs, 0xFF)
-        self.weights = self._alloc(4 * pairs, 0)
-        self.out = self._alloc(max(self.max_tokens, 1) * self.msg, 0)
+        self.topk_idx = mine(4 * pairs, 0xFF)
+        self.weights = mine(4 * pairs, 0)
+        self.out = mine(max(self.max_tokens, 1) * self.msg, 0)
         self.sender = ScatterSend(self.n_local, device=self.dev, num_sms=num_sms)
         self.receiver = RecvReduce(device=self.dev)
         self.stream = driver.Stream()
@@ -149,15 +153,19 @@ class Rank:
                 self._check_reach(p, info)
             recv_ptrs.append(self._open(info["recv"]) + info["recv_offset"])
             self.count_ptrs.append(self._open(info["counts"]))
-        self.cfg = rank_config(my_rank=self.rank, n_ranks=self.n_ranks, recv_bufs=recv_ptrs, top_k=self.top_k,
-                               msg_bytes=self.msg, max_tokens=self.max_tokens,
-                               range_table=driver.device_ptr(self.rtab, "range_table"),
-                               src_info=driver.device_ptr(self.src_info, "src_info"),
-                               row_base=device_ptr_or_none(self.row_base, "row_base"))
+        self.recv_ptrs = recv_ptrs
+        self.cfg = self._config() if self.rtab is not None else None
         # one decision for the whole world (every rank must run the same syncs): on when any
         # two ranks share a GPU
         shared = len({i["bus_id"] for i in self.peers}) < self.n_ranks
         self.sync_sends = shared if sync_sends is None else bool(sync_sends)
+
+    def _config(self):
+        return rank_config(my_rank=self.rank, n_ranks=self.n_ranks, recv_bufs=self.recv_ptrs, top_k=self.top_k,
+                           msg_bytes=self.msg, max_tokens=self.max_tokens,
+                           range_table=driver.device_ptr(self.rtab, "range_table"),
+                           src_info=driver.device_ptr(self.src_info, "src_info"),
+                           row_base=device_ptr_or_none(self.row_base, "row_base"))
 
     def _shape(self) -> tuple:
         return (self.n_ranks, self.max_tokens, self.top_k, self.hidden, self.n_local, self.max_rows)
@@ -208,6 +216,24 @@ class Rank:
         self.receiver.prepare(self.cfg, self.recv.ptr + self.guard, self.counts, self.topk_idx, self.weights,
                               self.out, n_tokens=self.tokens, n_experts=self.n_local, timeout_ns=self.timeout_ns)
 
+    def bind(self, *, c, expert_offsets, range_table, src_info, topk_idx, weights, out) -> None:
+        """Attach this rank's inputs and output as device arrays it does not own (torch
+        tensors, CAI objects, DeviceBuffers; as ``combine.Combine.bind``), checked for
+        dtype, device and size before any launch. Rounds and captured graphs read them in
+        place; the token count is ``topk_idx``'s leading dimension now."""
+        self._usable()
+        self.tokens = bound_inputs(f"rank {self.rank} inputs", self.dev.ordinal, c=c, expert_offsets=expert_offsets,
+                                   range_table=range_table, src_info=src_info, topk_idx=topk_idx, weights=weights,
+                                   out=out, hidden=self.hidden, top_k=self.top_k, n_local=self.n_local,
+                                   n_ranks=self.n_ranks, max_tokens=self.max_tokens)
+        self.c, self.offs, self.rtab, self.src_info = c, expert_offsets, range_table, src_info
+        self.topk_idx, self.weights, self.out = topk_idx, weights, out
+        self.cfg = self._config()
+        self.sender.prepare(self.cfg, self.c, self.offs, count_ptrs=self.count_ptrs,
+                            row_cache=self.row_base is not None, rows_in_c=self.max_rows)
+        self.receiver.prepare(self.cfg, self.recv.ptr + self.guard, self.counts, self.topk_idx, self.weights,
+                              self.out, n_tokens=self.tokens, n_experts=self.n_local, timeout_ns=self.timeout_ns)
+
     def refill_c(self, c) -> None:
         """New C values, same routing (between rounds or graph replays). c: bf16 bits (rows, hidden)."""
         self.c.upload(np.ascontiguousarray(c).view(np.uint16))
@@ -222,30 +248,35 @@ class Rank:
             raise P3SendError(f"rank {self.rank}: a host sync of this world failed earlier, so the ranks are out "
                               "of step; close this Rank and build a new world")
 
-    def _enqueue_send(self) -> None:
+    def _enqueue_send(self, stream=None) -> None:
+        s = self.stream if stream is None else stream
         if self.row_base is not None:
-            self.row_base.fill(0, self.stream)
-        self.sender.launch(self.stream)
+            self.row_base.fill(0, s)
+        self.sender.launch(s)
 
-    def send(self, graph: driver.Graph | None = None, *, skip: bool = False) -> None:
+    def send(self, graph: driver.Graph | None = None, *, skip: bool = False, stream=None) -> None:
         """Run this rank's send (or its captured graph) and wait for it. ``skip`` sends
-        nothing (a rank that never sends)."""
+        nothing (a rank that never sends). ``stream``: run it in that stream's order (a
+        torch or cupy stream, a handle: ``driver.as_stream``; default the Rank's own)."""
         self._usable()
-        self._events[0].record(self.stream)
+        s = self.stream if stream is None else driver.as_stream(stream)
+        self._events[0].record(s)
         if graph is not None:
-            graph.launch(self.stream)
+            graph.launch(s)
         elif not skip:
-            self._enqueue_send()
-        self._events[1].record(self.stream)
-        self.stream.synchronize()
+            self._enqueue_send(s)
+        self._events[1].record(s)
+        s.synchronize()
 
-    def receive(self, graph: driver.Graph | None = None) -> None:
-        """Run this rank's bounded wait + reduce + re-arm (or its graph) and wait for it."""
+    def receive(self, graph: driver.Graph | None = None, *, stream=None) -> None:
+        """Run this rank's bounded wait + reduce + re-arm (or its graph) and wait for it
+        (``stream`` as in ``send``)."""
         self._usable(in_round=True)
-        self._events[2].record(self.stream)
-        (graph.launch if graph is not None else self.receiver.launch)(self.stream)
-        self._events[3].record(self.stream)
-        self.stream.synchronize()
+        s = self.stream if stream is None else driver.as_stream(stream)
+        self._events[2].record(s)
+        (graph.launch if graph is not None else self.receiver.launch)(s)
+        self._events[3].record(s)
+        s.synchronize()
 
     def barrier(self) -> None:
         """A host barrier of the world (``sync_timeout_s``); a failure marks this rank broken."""
@@ -278,18 +309,18 @@ class Rank:
         if late is not None:
             raise late
 
-    def round(self, graphs: tuple | None = None, *, skip_send: bool = False) -> None:
+    def round(self, graphs: tuple | None = None, *, skip_send: bool = False, stream=None) -> None:
         """One whole round: send, (mid barrier), receive, settle. ``graphs``: the pair
-        from ``capture()`` to replay instead of launching."""
+        from ``capture()`` to replay instead of launching; ``stream`` as in ``send``."""
         send_graph, recv_graph = graphs if graphs is not None else (None, None)
-        self.send(send_graph, skip=skip_send)
+        self.send(send_graph, skip=skip_send, stream=stream)
         late = None
         if self.sync_sends:
             try:
                 self.barrier()
             except P3SendError as e:
                 late = e
-        self.receive(recv_graph)
+        self.receive(recv_graph, stream=stream)
         self.settle(late)
 
     def capture(self) -> tuple:

@@ -8,7 +8,7 @@ from ..abi.config import P3PeerSendConfig, msg_bytes_problem, n_ranks_problem, t
 from ..abi.errors import ConfigError
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel
-from .args import aligned
+from .args import aligned, array_arg
 
 
 class RecvReduce:
@@ -36,10 +36,15 @@ class RecvReduce:
         if timeout_ns < 0:
             problems.append(f"timeout_ns: expected >= 0, got {timeout_ns}")
         addrs = {}
-        for name, obj, align, need in (("recv", recv, 16, True), ("counts", counts, 8, True),
-                                       ("topk_idx", topk_idx, 4, True), ("weights", weights, 4, out is not None),
-                                       ("out", out, 16, False)):
-            a = 0 if obj is None else driver.device_ptr(obj, name)
+        pairs, row = n_tokens * cfg.top_k, max(cfg.msg_bytes, 0)
+        ordinal = self.dev.ordinal
+        for name, obj, align, need, dtypes, size in (
+                ("recv", recv, 16, True, None, pairs * row),
+                ("counts", counts, 8, True, ("uint64", "int64"), 8 * n_experts * cfg.n_ranks),
+                ("topk_idx", topk_idx, 4, True, ("int32",), 4 * pairs),
+                ("weights", weights, 4, out is not None, ("float32",), 4 * pairs),
+                ("out", out, 16, False, ("bfloat16", "uint16", "int16"), n_tokens * row)):
+            a = 0 if obj is None else array_arg(obj, name, problems, dtypes=dtypes, nbytes_min=size, ordinal=ordinal)[0]
             if need or a:
                 aligned(name, a, align, problems)
             addrs[name] = a

@@ -11,7 +11,7 @@ from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig, P3SendCtx, validate
 from ..abi.errors import ConfigError, P3SendError
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel
-from .args import aligned, nbytes
+from .args import aligned, array_arg
 
 FLAG_ROW_CACHE = 1
 FLAG_SIGNAL = 2
@@ -31,7 +31,8 @@ def _send_args(launcher, cfg, expert_offsets, host_offsets, rows_cap, count_ptrs
         if expert_offsets.size == n + 1:
             launcher._offs_buf.upload(np.ascontiguousarray(expert_offsets, dtype=np.int32))
         expert_offsets = launcher._offs_buf
-    offs_addr = driver.device_ptr(expert_offsets, "expert_offsets")
+    offs_addr, _ = array_arg(expert_offsets, "expert_offsets", problems, dtypes=("int32",), nbytes_min=4 * (n + 1),
+                             ordinal=launcher.dev.ordinal)
     aligned("expert_offsets", offs_addr, 4, problems)
     if host_offsets is not None:
         off = np.asarray(host_offsets, dtype=np.int64)
@@ -141,17 +142,18 @@ class ScatterSend(_Sender):
         a numpy array in ``expert_offsets_host`` (or pass a numpy array as expert_offsets,
         uploaded once) so bounds are checked; count_ptrs: up to 8 receive-count arrays
         (enables the arrival signal); same_gpu: every receiver is on this GPU, so the signal
-        may use .gpu-scope release (SPEC §7); into: fill this block instead of the launcher's own
+        may use .gpu-scope release (docs/PROTOCOL.md, "Visibility rules"); into: fill this block instead of the launcher's own
         (several prepared launches, e.g. rotating inputs).
         """
         stride = cfg.msg_bytes if c_row_stride is None else int(c_row_stride)
-        c_addr = driver.device_ptr(c, "c")
-        nb = nbytes(c)
+        arg_problems = []
+        c_addr, nb = array_arg(c, "c", arg_problems, ordinal=self.dev.ordinal, strided_ok=True)
         cap = rows_in_c
         if cap is None and nb is not None and stride:
             cap = (nb - cfg.msg_bytes) // stride + 1 if nb >= cfg.msg_bytes else 0
         problems, offs_addr, peers, flags = _send_args(self, cfg, expert_offsets, expert_offsets_host, cap,
                                                        count_ptrs, row_cache, p3_control, same_gpu)
+        problems += arg_problems
         aligned("c", c_addr, 16, problems)
         if stride % 16 or stride < cfg.msg_bytes:
             problems.append(f"c_row_stride: expected a multiple of 16 >= msg_bytes ({cfg.msg_bytes}), got {stride}")
@@ -206,13 +208,15 @@ class EpilogueSend(_Sender):
         """acc: fp32 (rows, >= n_cols) accumulators by absolute row; n_cols: hidden (cfg.msg_bytes
         must be 2*n_cols); the rest as ``ScatterSend.prepare``."""
         stride = 4 * n_cols if acc_stride is None else int(acc_stride)
-        acc_addr = driver.device_ptr(acc, "acc")
-        nb = nbytes(acc)
+        arg_problems = []
+        acc_addr, nb = array_arg(acc, "acc", arg_problems, dtypes=("float32",), ordinal=self.dev.ordinal,
+                                 strided_ok=True)
         cap = rows_in_acc
         if cap is None and nb is not None and stride:
             cap = (nb - 4 * n_cols) // stride + 1 if nb >= 4 * n_cols else 0
         problems, offs_addr, peers, flags = _send_args(self, cfg, expert_offsets, expert_offsets_host, cap,
                                                        count_ptrs, row_cache, p3_control, same_gpu)
+        problems += arg_problems
         aligned("acc", acc_addr, 16, problems)
         if n_cols <= 0 or n_cols % 8:
             problems.append(f"n_cols: expected a positive multiple of 8, got {n_cols}")

@@ -153,7 +153,7 @@ def send_case(family: str = "random", seed: int | None = None) -> SendCase:
         t[e, :, 0] -= 1024  # this expert's data-ready flag is not set: nothing of it is routed
         notes += "; one expert not ready"
     rows_total = int(off[-1]) + extra
-    # the owning rank of each row, as the SPEC resolves it
+    # the owning rank of each row, as the send resolves it (docs/PROTOCOL.md §3)
     peer = np.full(rows_total, -1, dtype=np.int64)
     t = table.reshape(max(n_exp, 1) if n_exp else 0, n_ranks, 2).astype(np.int64)
     for e in range(n_exp):

@@ -1,5 +1,5 @@
-"""The numpy oracle of the protocol (SPEC §3, §4, §6), written from the SPEC, not from
-the kernels. Tests compare the GPU's bytes against it; it imports only numpy and the ABI.
+"""The numpy oracle of the protocol (docs/PROTOCOL.md §3, §4, §6), written from the
+protocol, not from the kernels. Tests compare the GPU's bytes against it; it imports only numpy and the ABI.
 
 Conventions: a receive buffer is a flat uint8 array of ``max_tokens_per_rank * top_k *
 msg_bytes`` bytes; receive counts are uint64 arrays of ``n_experts * n_ranks``.
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..abi.config import P3PeerSendConfig
-from ..abi.layout import NOT_ARRIVED, decode_range_table, recv_count_layout
 from ..abi.errors import ConfigError
+from ..abi.layout import NOT_ARRIVED, decode_range_table, recv_count_layout
 
 
 @dataclass
@@ -26,7 +26,7 @@ class SendOutcome:
 
 
 def resolve(cfg: P3PeerSendConfig, expert_offsets, range_table, src_info) -> SendOutcome:
-    """Where each absolute row of ``[off[0], off[-1])`` goes (SPEC §4 steps 2-5).
+    """Where each absolute row of ``[off[0], off[-1])`` goes (docs/PROTOCOL.md §3: rank lookup and bounds check).
 
     expert_offsets: int (n_experts+1,); range_table: int32 (n_experts*n_ranks*2,);
     src_info: int32 (rows_total, 2) indexed by absolute row. Rows outside the experts'
@@ -101,7 +101,7 @@ def expected_row_cache(cfg: P3PeerSendConfig, res: SendOutcome, expert_offsets) 
 
 
 def signal(cfg: P3PeerSendConfig, res: SendOutcome, n_experts: int, counts: list) -> None:
-    """The arrival signal (SPEC §6): for every local expert e and p2p peer p that
+    """The arrival signal (docs/PROTOCOL.md §4): for every local expert e and p2p peer p that
     receives (p < min(n_ranks, p2p_world_size)), peer p's count at
     recv_count_layout(e, my_rank) becomes the number of rows of e stored to p (0 too).
     counts: list indexed by p2p rank of uint64 arrays, updated in place."""

@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "ptx" / "p3send.h"
 
-# Mojo's disabled() as 23 little-endian 8-byte words, written out by hand from SPEC §2
+# Mojo's disabled() as 23 little-endian 8-byte words, written out by hand from docs/ABI.md §3
 # (not computed from abi.FIELDS, so a wrong table cannot agree with itself here).
 DISABLED_HEX = "".join([
     "0400000000000000",  # 0   atomic_counter   dangling Int32*  -> 4

@@ -16,7 +16,7 @@ from p3send.abi.config import CONFIG_DTYPE, FIELDS, P3PeerSendConfig, validate
 from p3send.abi.errors import ConfigError
 from tests.cpu.conftest import HEADER
 
-# SPEC §2, copied by hand: (name, offset, size). Every other form is compared to this.
+# docs/ABI.md §2, copied by hand: (name, offset, size). Every other form is compared to this.
 SPEC_TABLE = [
     ("atomic_counter", 0, 8), ("src_info_ptr", 8, 8), ("row_base_ptr", 16, 8),
     ("recv_buf_ptrs", 24, 64), ("n_ranks", 88, 8), ("p2p_world_size", 96, 8),

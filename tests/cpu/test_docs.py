@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from p3send.cuda import loader, ptxdoc
+from p3send.cuda import ptxdoc
 from p3send.ops import send as send_ops
 
 ROOT = Path(__file__).resolve().parents[2]

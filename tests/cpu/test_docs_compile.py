@@ -30,7 +30,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -106,12 +106,12 @@ def _include_candidates() -> list[Path]:
     return [d for d in dirs if d.is_dir()]
 
 
-@lru_cache(maxsize=None)
+@cache
 def find_header(name: str) -> Path | None:
     return next((d for d in _include_candidates() if (d / name).is_file()), None)
 
 
-@lru_cache(maxsize=None)
+@cache
 def host_compiler(lang: str) -> str | None:
     names = ["cc", "gcc", "clang"] if lang == "c" else ["c++", "g++", "clang++"]
     return next((shutil.which(n) for n in names if shutil.which(n)), None)

@@ -1,4 +1,4 @@
-"""Layout formulas (SPEC §2) and the range table ("Region A", SPEC §3)."""
+"""Layout formulas (docs/ABI.md §6) and the range table ("Region A", docs/ABI.md §5)."""
 from __future__ import annotations
 
 import numpy as np
@@ -73,7 +73,7 @@ def test_range_table_round_trip(d):
 
 @given(dispatches())
 def test_range_table_resolves_like_the_send(d):
-    # SPEC §4 step 2: the first rank whose [lo, hi) holds row r owns it; the rest of the
+    # docs/PROTOCOL.md §3, rank lookup: the first rank whose [lo, hi) holds row r owns it; the rest of the
     # expert's rows (the slack) have no destination.
     offsets, counts = d
     n_experts, n_ranks = counts.shape
