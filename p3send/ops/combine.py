@@ -10,11 +10,13 @@ between rounds or graph replays.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..abi.config import P3PeerSendConfig, rank_config, shape_problems
 from ..abi.errors import ArrivalTimeout, ConfigError
-from ..abi.layout import NOT_ARRIVED, recv_buf_bytes
+from ..abi.layout import NOT_ARRIVED, SENTINEL, recv_buf_bytes, recv_counts_len
 from ..cuda import driver
 from .recv import RecvReduce
 from .send import ScatterSend
@@ -28,6 +30,36 @@ GUARD = 4096
 
 def device_ptr_or_none(obj, what: str) -> int | None:
     return None if obj is None else driver.device_ptr(obj, what)
+
+
+@dataclass
+class RankBuffers:
+    """One rank's device buffers: the receive buffer (``guard`` sentinel bytes each side)
+    and counts that peers write, and the rank's own inputs and output (None when the
+    caller binds its own tensors). Shapes and fills as ``Combine``'s docstring."""
+    recv: object
+    counts: object
+    c: object
+    offs: object
+    rtab: object
+    src_info: object
+    row_base: object
+    topk_idx: object
+    weights: object
+    out: object
+
+
+def rank_buffers(alloc, *, n_ranks: int, n_local: int, max_tokens: int, top_k: int, msg: int, max_rows: int,
+                 guard: int, row_cache: bool, inputs: bool = True) -> RankBuffers:
+    """Allocate one rank's buffers with ``alloc(nbytes, fill=None)`` (the one place their
+    sizes and initial contents are decided, for ``Combine`` and ``Rank`` alike)."""
+    n_slots, rows, pairs = recv_counts_len(n_local, n_ranks), max(max_rows, 1), max(max_tokens * top_k, 1)
+    mine = alloc if inputs else (lambda n, fill=None: None)
+    return RankBuffers(recv=alloc(recv_buf_bytes(max_tokens, top_k, msg) + 2 * guard, SENTINEL),
+                       counts=alloc(8 * n_slots, 0xFF), c=mine(rows * msg), offs=mine(4 * (n_local + 1), 0),
+                       rtab=mine(8 * n_slots, 0), src_info=mine(8 * rows, 0xFF),
+                       row_base=alloc(8 * rows, 0) if row_cache else None, topk_idx=mine(4 * pairs, 0xFF),
+                       weights=mine(4 * pairs, 0), out=mine(max(max_tokens, 1) * msg, 0))
 
 
 def rank_inputs(what: str, *, c, expert_offsets, range_table, src_info, topk_idx, weights, hidden: int,
@@ -139,21 +171,17 @@ class Combine:
         self.guard = GUARD if guard else 0
         self.row_cache = row_cache
         self.recv_bytes = recv_buf_bytes(max_tokens, top_k, self.msg)
-        n_slots = n_local_experts * n_ranks
         R = range(n_ranks)
         self._bufs = []
-        alloc = lambda n, fill=None: self._keep(driver.DeviceBuffer(n, fill=fill))  # noqa: E731
-        self.recv_alloc = [alloc(self.recv_bytes + 2 * self.guard, 0xAB) for _ in R]
-        self.counts = [alloc(8 * n_slots, 0xFF) for _ in R]
-        mine = alloc if inputs else (lambda n, fill=None: None)
-        self.c = [mine(max(self.max_rows, 1) * self.msg) for _ in R]
-        self.offs = [mine(4 * (n_local_experts + 1), 0) for _ in R]
-        self.rtab = [mine(8 * n_slots, 0) for _ in R]
-        self.src_info = [mine(8 * max(self.max_rows, 1), 0xFF) for _ in R]
-        self.row_base = [alloc(8 * max(self.max_rows, 1), 0) if row_cache else None for _ in R]
-        self.topk_idx = [mine(4 * max(max_tokens * top_k, 1), 0xFF) for _ in R]
-        self.weights = [mine(4 * max(max_tokens * top_k, 1), 0) for _ in R]
-        self.out = [mine(max(max_tokens, 1) * self.msg, 0) for _ in R]
+
+        def alloc(n, fill=None):
+            return self._keep(driver.DeviceBuffer(n, fill=fill))
+        bufs = [rank_buffers(alloc, n_ranks=n_ranks, n_local=n_local_experts, max_tokens=max_tokens, top_k=top_k,
+                             msg=self.msg, max_rows=self.max_rows, guard=self.guard, row_cache=row_cache,
+                             inputs=inputs) for _ in R]
+        self.recv_alloc = [b.recv for b in bufs]
+        for name in ("counts", "c", "offs", "rtab", "src_info", "row_base", "topk_idx", "weights", "out"):
+            setattr(self, name, [getattr(b, name) for b in bufs])
         # On one GPU the ranks share it: by default each rank's send gets 2/n_ranks of the
         # SMs, so the sends of a round run at once instead of one after another, and the
         # CTAs of ranks with fewer rows leave their SMs to the others' (2x oversubscribed:

@@ -39,9 +39,9 @@ import numpy as np
 
 from ..abi.config import rank_config, shape_problems
 from ..abi.errors import ArrivalTimeout, ConfigError, P3SendError
-from ..abi.layout import SENTINEL, recv_buf_bytes, recv_counts_len
+from ..abi.layout import recv_buf_bytes
 from ..cuda import driver
-from .combine import GUARD, arrival_status, bound_inputs, device_ptr_or_none, rank_inputs
+from .combine import GUARD, arrival_status, bound_inputs, device_ptr_or_none, rank_buffers, rank_inputs
 from .recv import RecvReduce
 from .send import ScatterSend
 
@@ -115,19 +115,11 @@ class Rank:
         return buf
 
     def _allocate(self, row_cache: bool, num_sms: int | None, inputs: bool = True) -> None:
-        n_slots, rows = recv_counts_len(self.n_local, self.n_ranks), max(self.max_rows, 1)
-        pairs = max(self.max_tokens * self.top_k, 1)
-        self.recv = self._alloc(self.recv_bytes + 2 * self.guard, SENTINEL)
-        self.counts = self._alloc(8 * n_slots, 0xFF)
-        mine = self._alloc if inputs else (lambda n, fill=None: None)
-        self.c = mine(rows * self.msg)
-        self.offs = mine(4 * (self.n_local + 1), 0)
-        self.rtab = mine(8 * n_slots, 0)
-        self.src_info = mine(8 * rows, 0xFF)
-        self.row_base = self._alloc(8 * rows, 0) if row_cache else None
-        self.topk_idx = mine(4 * pairs, 0xFF)
-        self.weights = mine(4 * pairs, 0)
-        self.out = mine(max(self.max_tokens, 1) * self.msg, 0)
+        b = rank_buffers(self._alloc, n_ranks=self.n_ranks, n_local=self.n_local, max_tokens=self.max_tokens,
+                         top_k=self.top_k, msg=self.msg, max_rows=self.max_rows, guard=self.guard,
+                         row_cache=row_cache, inputs=inputs)
+        for name in ("recv", "counts", "c", "offs", "rtab", "src_info", "row_base", "topk_idx", "weights", "out"):
+            setattr(self, name, getattr(b, name))
         self.sender = ScatterSend(self.n_local, device=self.dev, num_sms=num_sms)
         self.receiver = RecvReduce(device=self.dev)
         self.stream = driver.Stream()
