@@ -131,6 +131,7 @@ static inline P3PeerSendConfig p3_config_disabled(void)
 #define P3_FLAG_ROW_CACHE 1   /* resolve rows through cfg.row_base_ptr (zeroed per launch) */
 #define P3_FLAG_SIGNAL 2      /* publish the arrival counts into count_ptrs[p] */
 #define P3_FLAG_SCOPE_GPU 4   /* every receiver on this GPU: .gpu-scope release, not .sys */
+#define P3_FLAG_TILE 8        /* p3_scatter_send: the tile launch (flags bits 16..31: stamp/trace slots) */
 #define P3_SEND_CTX_SIZE 104
 #define P3_SEND_ACCT_SIZE 48
 

@@ -8,8 +8,8 @@ import argparse
 
 import numpy as np
 
-from p3send import driver, kernels
-from p3send.bench import Timer, _random_bytes
+from p3send.cli.bench import Timer, random_bytes
+from p3send.cuda import driver, loader
 
 COPY_PTX = r"""
 .version 8.0
@@ -316,10 +316,287 @@ DONE:
 """
 
 
+# Copy shapes (issue 15): the driver-like tile grid (CTA c copies the contiguous tile of
+# ntid*V vectors c, c+G, ...; with G = tiles each CTA copies one tile and exits), and a
+# persistent grid whose CTAs claim tiles in order from an atomic counter (dynamic
+# scheduling imitating the hardware's). Each thread issues its V loads, then its V stores.
+# With a counter, each tile ends like the send's signal: bar.sync, thread 0's fence at
+# scope S and one atomic per tile (the last tile's resets the counter).
+def tile_ptx(v: int, scope: str | None) -> str:
+    name = f"copy_tile{v}" + (f"_{scope}" if scope else "")
+    loads = "".join(f"""    mad.lo.u64 %rd8, %rd6, {j}, %rd4;
+    setp.lt.u64 %q{j}, %rd8, %rd3;
+    mad.lo.u64 %rd9, %rd8, 16, %rd2;
+    @%q{j} ld.global.nc.v4.u32 {{%a{4*j}, %a{4*j+1}, %a{4*j+2}, %a{4*j+3}}}, [%rd9];
+""" for j in range(v))
+    stores = "".join(f"""    mad.lo.u64 %rd8, %rd6, {j}, %rd4;
+    mad.lo.u64 %rd9, %rd8, 16, %rd1;
+    @%q{j} st.global.v4.u32 [%rd9], {{%a{4*j}, %a{4*j+1}, %a{4*j+2}, %a{4*j+3}}};
+""" for j in range(v))
+    signal = "" if not scope else f"""    bar.sync 0;
+    setp.ne.u32 %p, %r3, 0;
+    @%p bra NEXT;
+    fence.acq_rel.{scope};
+    atom.relaxed.gpu.global.add.u64 %rd12, [%rd10], 1;
+    add.s64 %rd12, %rd12, 1;
+    setp.eq.u64 %p, %rd12, %rd11;
+    @%p st.relaxed.gpu.global.u64 [%rd10], 0;
+"""
+    return f"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry {name}(.param .u64 dst, .param .u64 src, .param .u64 nvec, .param .u64 counter)
+{{
+    .reg .pred %p, %q<{v}>;
+    .reg .b32 %r<8>;
+    .reg .b32 %a<{4*v}>;
+    .reg .b64 %rd<16>;
+    ld.param.u64 %rd1, [dst];
+    ld.param.u64 %rd2, [src];
+    ld.param.u64 %rd3, [nvec];
+    ld.param.u64 %rd10, [counter];
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %nctaid.x;
+    cvt.u64.u32 %rd6, %r2;                 // ntid: stride between a thread's vectors
+    mul.lo.u64 %rd7, %rd6, {v};            // vectors per tile
+    add.s64 %rd11, %rd3, %rd7;
+    sub.s64 %rd11, %rd11, 1;
+    div.u64 %rd11, %rd11, %rd7;            // tiles
+    cvt.u64.u32 %rd5, %r1;                 // tile
+TILE:
+    setp.ge.u64 %p, %rd5, %rd11;
+    @%p bra DONE;
+    cvt.u64.u32 %rd4, %r3;
+    mad.lo.u64 %rd4, %rd5, %rd7, %rd4;     // this thread's first vector
+{loads}{stores}{signal}NEXT:
+    cvt.u64.u32 %rd13, %r4;
+    add.s64 %rd5, %rd5, %rd13;
+    bra.uni TILE;
+DONE:
+    ret;
+}}
+"""
+
+
+def dyn_ptx(v: int) -> str:
+    loads = "".join(f"""    mad.lo.u64 %rd8, %rd6, {j}, %rd4;
+    setp.lt.u64 %q{j}, %rd8, %rd3;
+    mad.lo.u64 %rd9, %rd8, 16, %rd2;
+    @%q{j} ld.global.nc.v4.u32 {{%a{4*j}, %a{4*j+1}, %a{4*j+2}, %a{4*j+3}}}, [%rd9];
+""" for j in range(v))
+    stores = "".join(f"""    mad.lo.u64 %rd8, %rd6, {j}, %rd4;
+    mad.lo.u64 %rd9, %rd8, 16, %rd1;
+    @%q{j} st.global.v4.u32 [%rd9], {{%a{4*j}, %a{4*j+1}, %a{4*j+2}, %a{4*j+3}}};
+""" for j in range(v))
+    return f"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry copy_dyn{v}(.param .u64 dst, .param .u64 src, .param .u64 nvec, .param .u64 counter)
+{{
+    .shared .align 4 .b32 s_tile[2];
+    .reg .pred %p, %t0, %q<{v}>;
+    .reg .b32 %r<12>;
+    .reg .b32 %a<{4*v}>;
+    .reg .b64 %rd<16>;
+    ld.param.u64 %rd1, [dst];
+    ld.param.u64 %rd2, [src];
+    ld.param.u64 %rd3, [nvec];
+    ld.param.u64 %rd10, [counter];         // u32 [0] next tile, [1] CTAs finished
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    setp.eq.u32 %t0, %r3, 0;
+    cvt.u64.u32 %rd6, %r2;
+    mul.lo.u64 %rd7, %rd6, {v};
+    add.s64 %rd11, %rd3, %rd7;
+    sub.s64 %rd11, %rd11, 1;
+    div.u64 %rd11, %rd11, %rd7;            // tiles
+    mov.u32 %r5, 0;                        // k: iteration (slot k & 1)
+    @%t0 atom.relaxed.gpu.global.add.u32 %r6, [%rd10], 1;
+    @%t0 st.shared.u32 [s_tile], %r6;
+TILE:
+    bar.sync 0;
+    and.b32 %r7, %r5, 1;
+    mov.u32 %r8, s_tile;
+    mad.lo.u32 %r8, %r7, 4, %r8;
+    ld.shared.u32 %r9, [%r8];
+    xor.b32 %r7, %r7, 1;                   // claim the next tile into the other slot
+    mov.u32 %r8, s_tile;
+    mad.lo.u32 %r8, %r7, 4, %r8;
+    cvt.u64.u32 %rd5, %r9;
+    setp.ge.u64 %p, %rd5, %rd11;
+    @%p bra DONE;
+    @%t0 atom.relaxed.gpu.global.add.u32 %r6, [%rd10], 1;
+    @%t0 st.shared.u32 [%r8], %r6;
+    cvt.u64.u32 %rd4, %r3;
+    mad.lo.u64 %rd4, %rd5, %rd7, %rd4;
+{loads}{stores}    add.u32 %r5, %r5, 1;
+    bra.uni TILE;
+DONE:
+    @!%t0 bra END;
+    atom.relaxed.gpu.global.add.u32 %r6, [%rd10+4], 1;
+    add.u32 %r6, %r6, 1;
+    mov.u32 %r4, %nctaid.x;
+    setp.ne.u32 %p, %r6, %r4;
+    @%p bra END;
+    st.relaxed.gpu.global.u32 [%rd10], 0;
+    st.relaxed.gpu.global.u32 [%rd10+4], 0;
+END:
+    ret;
+}}
+"""
+
+
+# The ceiling for a SCATTER (issue 15): the tile grid above, but each 16-byte vector goes to
+# its row's destination, table[row] + 16*col (u64 per row, precomputed: no resolve), rows
+# of nv vectors; the data loads and the destination loads go out together. With a
+# counter, each tile ends like the send's signal (bar.sync, one fence.S, one atomic).
+def scatter_ptx(v: int, scope: str | None) -> str:
+    name = f"scatter_tile{v}" + (f"_{scope}" if scope else "")
+    loads = "".join(f"""    mad.lo.u32 %r6, %r2, {j}, %r5;        // tile index
+    setp.lt.u32 %q{j}, %r6, %r9;
+    add.u32 %r7, %r6, %r8;                 // vector index
+    div.u32 %r{10 + j}, %r7, %r20;         // row
+    mul.wide.u32 %rd8, %r7, 16;
+    add.s64 %rd8, %rd8, %rd2;
+    @%q{j} ld.global.nc.v4.u32 {{%a{4*j}, %a{4*j+1}, %a{4*j+2}, %a{4*j+3}}}, [%rd8];
+    mul.wide.u32 %rd9, %r{10 + j}, 8;
+    add.s64 %rd9, %rd9, %rd1;
+    @%q{j} ld.global.nc.u64 %rd{20 + j}, [%rd9];
+""" for j in range(v))
+    stores = "".join(f"""    mad.lo.u32 %r6, %r2, {j}, %r5;
+    add.u32 %r7, %r6, %r8;
+    mul.lo.u32 %r6, %r{10 + j}, %r20;
+    sub.u32 %r7, %r7, %r6;                 // column
+    mad.wide.u32 %rd9, %r7, 16, %rd{20 + j};
+    @%q{j} st.global.v4.u32 [%rd9], {{%a{4*j}, %a{4*j+1}, %a{4*j+2}, %a{4*j+3}}};
+""" for j in range(v))
+    signal = "" if not scope else f"""    bar.sync 0;
+    setp.ne.u32 %p, %r3, 0;
+    @%p bra DONE;
+    fence.acq_rel.{scope};
+    atom.relaxed.gpu.global.add.u32 %r21, [%rd10], 1;
+    add.u32 %r21, %r21, 1;
+    setp.eq.u32 %p, %r21, %r4;
+    @%p st.relaxed.gpu.global.u32 [%rd10], 0;
+"""
+    return f"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry {name}(.param .u64 table, .param .u64 src, .param .u32 nvec, .param .u32 nv, .param .u64 counter)
+{{
+    .reg .pred %p, %q<{v}>;
+    .reg .b32 %r<24>;
+    .reg .b32 %a<{4*v}>;
+    .reg .b64 %rd<{20 + v}>;
+    ld.param.u64 %rd1, [table];
+    ld.param.u64 %rd2, [src];
+    ld.param.u32 %r19, [nvec];
+    ld.param.u32 %r20, [nv];
+    ld.param.u64 %rd10, [counter];
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %nctaid.x;
+    mul.lo.u32 %r8, %r2, {v};
+    mul.lo.u32 %r8, %r8, %r1;              // the tile's first vector (one tile per CTA)
+    sub.u32 %r9, %r19, %r8;                // vectors left
+    mov.u32 %r5, %r3;
+{loads}{stores}{signal}DONE:
+    ret;
+}}
+"""
+
+
+def scatter_shapes(dev, s, timer, src, nbytes: int, res: dict, msg: int = 14336) -> None:
+    """The scatter's ceiling: rows of msg bytes to a random permutation of row slots."""
+    rows, nv = nbytes // msg, msg // 16
+    dst = driver.DeviceBuffer(rows * msg)
+    perm = np.random.default_rng(3).permutation(rows)
+    tab = driver.DeviceBuffer.from_array((dst.ptr + msg * perm.astype(np.uint64)).astype(np.uint64))
+    ctr = driver.DeviceBuffer(8, fill=0)
+    wrong = []
+    for v, threads, scope in ((1, 128, None), (2, 128, None), (4, 128, None), (8, 128, None), (2, 256, None),
+                              (4, 256, None), (2, 512, None), (4, 128, "sys"), (8, 128, "sys"), (4, 256, "sys"),
+                              (8, 128, "gpu")):
+        k = loader.load(scatter_ptx(v, scope), device=dev, name=f"scatter_tile{v}.ptx")
+        k = k[f"scatter_tile{v}" + (f"_{scope}" if scope else "")]
+        tiles = -(-(rows * nv) // (threads * v))
+        blk = k.params_block(table=tab, src=src, nvec=rows * nv, nv=nv, counter=ctr if scope else 0)
+        name = f"scatter tile {v} vec/thr x {threads}{' + CTA fence.' + scope if scope else ''} ({tiles} CTAs)"
+        res[name] = timer.run(lambda i: blk.launch((tiles,), (threads,), s), 40, 5)["median_us"]
+        dst.fill(0)
+        blk.launch((tiles,), (threads,), s)
+        s.synchronize()
+        for r in (0, 1, rows // 2, rows - 1):    # a few rows, each from its slot
+            if not np.array_equal(dst.download(np.uint8, offset=int(perm[r]) * msg, nbytes=msg),
+                                  src.download(np.uint8, offset=r * msg, nbytes=msg)):
+                wrong.append(f"{name} row {r}")
+        if ctr.download(np.uint32)[0]:
+            wrong.append(name + " (counter not reset)")
+    print(f"scatter shapes, results correct (rows 0, 1, R/2, R-1 in their slots, counters reset): "
+          f"{'yes' if not wrong else 'NO: ' + ', '.join(wrong)}")
+    for b in (dst, tab, ctr):
+        b.free()
+
+
+def shapes(dev, s, timer, dst, src, nbytes: int, res: dict) -> None:
+    """The copy shapes of tile_ptx / dyn_ptx into res (name -> median us); checks one of each."""
+    nvec = nbytes // 16
+    ctr = driver.DeviceBuffer(16, fill=0)
+    check = min(nbytes, 1 << 24)
+    wrong = []
+
+    def verify(name):
+        s.synchronize()
+        if not (dst.download(np.uint8, nbytes=check) == src.download(np.uint8, nbytes=check)).all():
+            wrong.append(name)
+        if ctr.download(np.uint64).any():
+            wrong.append(name + " (counter not reset)")
+    for v in (1, 2, 4):
+        for scope in (None, "gpu", "sys"):
+            if scope and v == 2:
+                continue
+            k = loader.load(tile_ptx(v, scope), device=dev, name=f"copy_tile{v}.ptx")
+            k = k[f"copy_tile{v}" + (f"_{scope}" if scope else "")]
+            for threads in ((128, 256, 512) if not scope else (256,)):
+                tiles = -(-nvec // (threads * v))
+                sig = f" + CTA fence.{scope}" if scope else ""
+                blk = k.params_block(dst=dst, src=src, nvec=nvec, counter=ctr if scope else 0)
+                strided = 8 * dev.sm_count * 256 // threads
+                for grid, label in ((tiles, "tile grid"), (strided, "8x256thr/SM tile-stride")):
+                    if label != "tile grid" and (scope or v != 4):
+                        continue
+                    name = f"{label} {v} vec/thr x {threads}{sig} ({grid} CTAs)"
+                    res[name] = timer.run(lambda i: blk.launch((grid,), (threads,), s), 40, 5)["median_us"]
+                dst.fill(0)
+                blk.launch((tiles,), (threads,), s)
+                verify(name)
+    for v in (1, 4):
+        k = loader.load(dyn_ptx(v), device=dev, name=f"copy_dyn{v}.ptx")[f"copy_dyn{v}"]
+        for grid, threads in ((dev.sm_count * 8, 256), (dev.sm_count * 2, 1024), (dev.sm_count, 1024)):
+            blk = k.params_block(dst=dst, src=src, nvec=nvec, counter=ctr)
+            name = f"atomic tile counter {v} vec/thr, {grid} x {threads}"
+            res[name] = timer.run(lambda i: blk.launch((grid,), (threads,), s), 40, 5)["median_us"]
+            dst.fill(0)
+            blk.launch((grid,), (threads,), s)
+            verify(name)
+    ctr.free()
+    print(f"copy shapes, results correct (first {check >> 20} MiB, counters reset): "
+          f"{'yes' if not wrong else 'NO: ' + ', '.join(wrong)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", action="store_true",
                     help="copy GPU 0 -> GPU 1 over P2P, against cuMemcpyPeerAsync")
+    ap.add_argument("--shapes", action="store_true", help="only the driver copy, grid-stride and the copy shapes")
+    ap.add_argument("--scatter", action="store_true",
+                    help="only the driver copy, the best copy shapes and the scatter shapes (precomputed destinations)")
     ap.add_argument("--rows", type=int, action="append", default=[],
                     help="rows of 14336 B to copy (default 32768; with --peer 1024 and 32768)")
     a = ap.parse_args()
@@ -331,13 +608,35 @@ def main() -> int:
         peer.enable_peer_access(dev)
         dev.activate()
     for rows in a.rows or ([1024, 32768] if a.peer else [32768]):
-        ceiling(dev, peer, rows * 14336)
+        if a.scatter:
+            scatter_ceiling(dev, rows * 14336)
+        else:
+            ceiling(dev, peer, rows * 14336, a.shapes)
     return 0
 
 
-def ceiling(dev, peer, nbytes: int) -> None:
+def scatter_ceiling(dev, nbytes: int) -> None:
+    """The driver copy, the tile copies that match it, and the scatter shapes, one run."""
+    src = random_bytes(nbytes, np.random.default_rng(2))
+    dst = driver.DeviceBuffer(nbytes)
+    s = driver.Stream()
+    timer = Timer(s)
+    res = {"cuMemcpyDtoD": timer.run(lambda i: driver.memcpy_dtod(dst.ptr, src.ptr, nbytes, s), 40, 5)["median_us"]}
+    k = loader.load(tile_ptx(1, None), device=dev, name="copy_tile1.ptx")["copy_tile1"]
+    blk = k.params_block(dst=dst, src=src, nvec=nbytes // 16, counter=0)
+    grid = nbytes // 16 // 128
+    res[f"tile grid 1 vec/thr x 128 ({grid} CTAs)"] = timer.run(lambda i: blk.launch((grid,), (128,), s),
+                                                                40, 5)["median_us"]
+    dst.free()
+    scatter_shapes(dev, s, timer, src, nbytes, res)
+    report(res, "cuMemcpyDtoD", nbytes, None)
+    src.free()
+    s.close()
+
+
+def ceiling(dev, peer, nbytes: int, only_shapes: bool = False) -> None:
     rng = np.random.default_rng(2)
-    src = _random_bytes(nbytes, rng)
+    src = random_bytes(nbytes, rng)
     if peer is not None:
         peer.activate()
     dst = driver.DeviceBuffer(nbytes)
@@ -351,18 +650,25 @@ def ceiling(dev, peer, nbytes: int) -> None:
         ref = "cuMemcpyPeerAsync"
         res = {ref: timer.run(lambda i: driver.memcpy_peer(dst.ptr, peer, src.ptr, dev, nbytes, s),
                               40, 5)["median_us"]}
-    k = kernels.load(COPY_PTX, device=dev, name="copy_v4.ptx")["copy_v4"]
+    k = loader.load(COPY_PTX, device=dev, name="copy_v4.ptx")["copy_v4"]
     for grid, block in ((dev.sm_count * 4, 512), (dev.sm_count * 2, 1024), (dev.sm_count * 8, 256),
                         (dev.sm_count, 1024), (dev.sm_count // 2, 1024)):
         blk = k.params_block(dst=dst, src=src, nvec=nbytes // 16)
         res[f"sm copy v4x4 {grid}x{block}"] = timer.run(lambda i: blk.launch((grid,), (block,), s), 40, 5)["median_us"]
-    kw = kernels.load(WINDOW_PTX, device=dev, name="copy_v4_window.ptx")["copy_v4_window"]
+    shapes(dev, s, timer, dst, src, nbytes, res)
+    if only_shapes:
+        report(res, ref, nbytes, peer)
+        for b in (src, dst):
+            b.free()
+        s.close()
+        return
+    kw = loader.load(WINDOW_PTX, device=dev, name="copy_v4_window.ptx")["copy_v4_window"]
     for grid, block in ((dev.sm_count, 1024), (dev.sm_count * 2, 512)):
         blk = kw.params_block(dst=dst, src=src, nvec=nbytes // 16)
         res[f"sm copy, CTA windows {grid}x{block}"] = timer.run(lambda i: blk.launch((grid,), (block,), s),
                                                                40, 5)["median_us"]
     rows = nbytes // 14336
-    kt = kernels.load(TABLE_PTX, device=dev, name="copy_table.ptx")["copy_table"]
+    kt = loader.load(TABLE_PTX, device=dev, name="copy_table.ptx")["copy_table"]
     tab = driver.DeviceBuffer.from_array((dst.ptr + 14336 * np.arange(rows, dtype=np.uint64)).astype(np.uint64))
     ctr, flag = driver.DeviceBuffer(4, fill=0), driver.DeviceBuffer(4, fill=0)
     if 8 * rows <= dev.smem_optin:
@@ -382,7 +688,7 @@ def ceiling(dev, peer, nbytes: int) -> None:
               f"flag {flag.download(np.uint32)[0]} (= grid {dev.sm_count * 2})")
     for b in (tab, ctr, flag):
         b.free()
-    kb = kernels.load(BULK_PTX, device=dev, name="copy_bulk.ptx")["copy_bulk"]
+    kb = loader.load(BULK_PTX, device=dev, name="copy_bulk.ptx")["copy_bulk"]
     for chunk in (4096, 8192, 16384):
         smem = 12 * chunk
         if smem > dev.smem_optin:
@@ -402,16 +708,20 @@ def ceiling(dev, peer, nbytes: int) -> None:
     s.synchronize()
     check = min(nbytes, 1 << 24)
     same = bool((dst.download(np.uint8, nbytes=check) == src.download(np.uint8, nbytes=check)).all())
-    base = res[ref]
-    where = " GPU0 -> GPU1" if peer is not None else ""
-    print(f"{nbytes} B{where}")
-    for name, us in res.items():
-        print(f"{name:<34} {us:8.1f} us  {nbytes / us / 1e3:7.1f} GB/s  {us / base:.3f}x  "
-              f"({base / us:.3f} of {ref} bandwidth)")
+    report(res, ref, nbytes, peer)
     print(f"bulk copy result correct (first {check >> 20} MiB): {same}")
     for b in (src, dst):
         b.free()
     s.close()
+
+
+def report(res: dict, ref: str, nbytes: int, peer) -> None:
+    base = res[ref]
+    where = " GPU0 -> GPU1" if peer is not None else ""
+    print(f"{nbytes} B{where}")
+    for name, us in res.items():
+        print(f"{name:<50} {us:8.1f} us  {nbytes / us / 1e3:7.1f} GB/s  {us / base:.3f}x  "
+              f"({base / us:.3f} of {ref} bandwidth)")
 
 
 if __name__ == "__main__":

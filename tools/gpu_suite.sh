@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tier in one command: PTX check, GPU tests, compute-sanitizer (memcheck and
-# racecheck), the main job, the benchmarks and the SASS of every kernel. Writes its logs
+# racecheck over tests/gpu/sanitize.py), the main job, the benchmarks and the SASS of every kernel. Writes its logs
 # to LOGDIR (suite.log, bench.json, sass.txt) and prints a summary at the end.
 #
 #   tools/gpu_suite.sh LOGDIR [stage ...]     stages: ptx tests multi sanitize demo bench sass
@@ -34,8 +34,8 @@ want() { [[ " $STAGES " == *" $1 "* ]]; }
 want ptx && stage ptx $PY -m p3send check-ptx
 want tests && stage tests $PY -m pytest ${P3_TESTS:-tests/gpu} -q -rs -p no:cacheprovider --timeout=900
 if want sanitize; then
-  stage memcheck compute-sanitizer --tool memcheck --error-exitcode 99 $PY tools/sanitize_cases.py
-  stage racecheck compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY tools/sanitize_cases.py
+  stage memcheck compute-sanitizer --tool memcheck --error-exitcode 99 $PY -m tests.gpu.sanitize
+  stage racecheck compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY -m tests.gpu.sanitize
 fi
 want multi && stage multi $PY -m pytest tests/multi_gpu -q -rs -p no:cacheprovider --timeout=900
 want demo && stage demo $PY -m p3send demo
@@ -45,7 +45,8 @@ if want sass; then
   : > "$LOG/sass.txt"
   for f in ptx/*.ptx; do
     grep -q '\.entry' "$f" || continue
-    ptxas -arch=sm_90 -v "$f" -o "$LOG/k.cubin" >> "$LOG/sass.txt" 2>&1 && \
+    arch=$(sed -n 's/^\.target \(sm_[0-9a-z]*\).*/\1/p' "$f" | head -1)
+    ptxas -arch="$arch" -v "$f" -o "$LOG/k.cubin" >> "$LOG/sass.txt" 2>&1 && \
       cuobjdump -sass "$LOG/k.cubin" >> "$LOG/sass.txt" 2>&1
   done
   rm -f "$LOG/k.cubin"

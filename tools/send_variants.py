@@ -13,18 +13,33 @@ import re
 
 import numpy as np
 
-from p3send import P3PeerSendConfig, driver, kernels, ptxdoc
-from p3send.bench import Timer, _random_bytes, prefill_routing
-from p3send.kernels import EpilogueSend, ScatterSend
-from p3send.layout import encode_range_table
+from p3send import P3PeerSendConfig
+from p3send.abi.layout import encode_range_table
+from p3send.cli.bench import Timer, prefill_routing, random_bytes
+from p3send.cuda import driver, loader, ptxdoc
+from p3send.ops.send import EpilogueSend, ScatterSend
 
-BASE = (kernels.ptx_dir() / "p3_scatter_send.ptx").read_text()
-EPI = (kernels.ptx_dir() / "p3_epilogue_send.ptx").read_text()
-ROWS = (kernels.ptx_dir() / "p3_send_rows.ptx").read_text()
+BASE = (loader.ptx_dir() / "p3_scatter_send.ptx").read_text()
+EPI = (loader.ptx_dir() / "p3_epilogue_send.ptx").read_text()
+ROWS = (loader.ptx_dir() / "p3_send_rows.ptx").read_text()
 
 
 def variants():
-    v = {"baseline": (BASE, {})}
+    v = {"baseline": (BASE, {"tile": True})}    # the launcher's default shape
+    v["tile, no signal"] = (BASE, {"tile": True, "signal": False})
+    for thr, vec in ((128, 4), (128, 2), (256, 4), (256, 8), (256, 2), (64, 8), (512, 2), (128, 1)):
+        v[f"tile {vec} vec/thr x {thr}"] = (BASE, {"tile": True, "tile_threads": thr, "TILE_VECTORS": vec})
+    v["tile 4 vec/thr x 256, no signal"] = (BASE, {"tile": True, "tile_threads": 256, "TILE_VECTORS": 4,
+                                                   "signal": False})
+    v["persistent 132 x 1024 (num_sms = all, no tiles)"] = (BASE, {})
+    # occupancy: the kernel's 64 registers (the chunk path's) allow 1024 threads per SM; the
+    # tile path holds no data in registers (cp.async), so a register cap shows what it
+    # would do with more CTAs per SM
+    for n in (32, 40):
+        capped = BASE.replace(".maxntid 1024, 1, 1\n", f".maxntid 1024, 1, 1\n.maxnreg {n}\n")
+        assert capped != BASE
+        v[f"tile 8 vec/thr x 128, maxnreg {n}"] = (capped, {"tile": True})
+        v[f"tile 4 vec/thr x 128, maxnreg {n}"] = (capped, {"tile": True, "tile_threads": 128, "TILE_VECTORS": 4})
     v["no_signal"] = (BASE, {"signal": False})
     v["st.cs"] = (BASE.replace("st.global.v4.u32    [%u1]", "st.global.cs.v4.u32 [%u1]"), {})
     v["cp.async L2::256B"] = (BASE.replace("cp.async.cg.shared.global [", "cp.async.cg.shared.global.L2::256B ["), {})
@@ -80,7 +95,14 @@ def variants():
     # the chunk path only differ from the baseline where the chunk path runs)
     no_table = "    and.pred            %tab, %tab, !%cache_on;\n"
     assert BASE.count(no_table) == 1
-    v["chunk path (no table mode)"] = (BASE.replace(no_table, no_table + "    setp.ne.u32         %tab, 0, 0;\n"), {})
+    chunk_only = BASE.replace(no_table, no_table + "    setp.ne.u32         %tab, 0, 0;\n")
+    v["chunk path (no table mode)"] = (chunk_only, {})
+    # many short-lived CTAs (issue 15): the chunk path split over grid = rows / k CTAs, so
+    # each CTA streams one small contiguous window (k rows) and exits
+    for k, threads in ((1, 128), (1, 256), (2, 256), (2, 512), (4, 512), (8, 1024)):
+        v[f"many CTAs: rows/{k} x {threads}"] = (chunk_only, {"threads": threads, "grid_rows": k})
+        v[f"many CTAs: rows/{k} x {threads}, no signal"] = (chunk_only, {"threads": threads, "grid_rows": k,
+                                                                        "signal": False})
     return v
 
 
@@ -90,7 +112,8 @@ def epilogue_items(text: str, n: int, incremental: bool = False) -> str:
     add and a conditional wrap, instead of a div and a rem per item and phase."""
     head = text.index("    // fp32 -> bf16: items (row, 8 columns)")
     tail = text.index("CONVERTED:")
-    L = [f"    // fp32 -> bf16: items (row, 8 columns) of the stage, {n} per thread per round ({2 * n} loads in flight)",
+    L = [f"    // fp32 -> bf16: items (row, 8 columns) of the stage, {n} per thread per round "
+         f"({2 * n} loads in flight)",
          "    mul.lo.u32          %items, %valid, %nvt;", "    mov.u32             %t0, %tid.x;",
          "    mov.u32             %it, %t0;"]
     if incremental:
@@ -131,7 +154,8 @@ def epilogue_items(text: str, n: int, incremental: bool = False) -> str:
           "    bra.uni             CONVERT;", ""]
     out = text[:head] + "\n".join(L) + text[tail:]
     if incremental and "%rw0" not in text[:head]:
-        out = out.replace("    .reg .b32   %buf, %nvt,", "    .reg .b32   %rw0, %cl0, %drw, %dcl;\n    .reg .b32   %buf, %nvt,", 1)
+        out = out.replace("    .reg .b32   %buf, %nvt,",
+                          "    .reg .b32   %rw0, %cl0, %drw, %dcl;\n    .reg .b32   %buf, %nvt,", 1)
     return (out.replace("%ld<8>", f"%ld<{n}>").replace(".reg .f32   %f<64>", f".reg .f32   %f<{8 * n}>")
                .replace(".reg .b32   %h<32>", f".reg .b32   %h<{4 * n}>"))
 
@@ -259,7 +283,7 @@ def epilogue_variants():
 
 def run_epilogue(a, dev) -> None:
     import torch
-    from p3send.bench import EPILOGUE_GEOMETRIES
+    from p3send.cli.bench import EPILOGUE_GEOMETRIES
     rng = np.random.default_rng(1)
     hidden, top_k, ranks, experts = 7168, 8, 8, 32
     rows, msg = a.tokens * top_k, 2 * hidden
@@ -288,7 +312,7 @@ def run_epilogue(a, dev) -> None:
             if a.variant and name != "baseline" and not any(v in name for v in a.variant):
                 continue
             fused = EpilogueSend(experts, device=dev, **geo)
-            fused.k = kernels.load(ptxdoc.module_text(epi, [("p3_send_rows.ptx", rws)]), device=dev,
+            fused.k = loader.load(ptxdoc.module_text(epi, [("p3_send_rows.ptx", rws)]), device=dev,
                                    name=f"variant {name}")["p3_epilogue_send"]
             driver.set_max_dynamic_smem(fused.k.func, fused.smem)
             fused.grid = max(1, driver.occupancy(fused.k.func, fused.threads, fused.smem)) * dev.sm_count
@@ -320,8 +344,8 @@ def run_epilogue(a, dev) -> None:
 
 
 def run_decode(a, dev) -> None:
-    from p3send.cases import world_case
-    from p3send.combine import Combine
+    from p3send.ops.combine import Combine
+    from p3send.oracle.cases import world_case
     world = world_case(n_ranks=8, tokens=128, top_k=8, n_local=32, hidden=7168, seed=1)
     for share, recv_ctas in ((None, None), (dev.sm_count // 4, None), (dev.sm_count, None),
                              (None, 4 * dev.sm_count), (dev.sm_count, 4 * dev.sm_count)):
@@ -330,6 +354,10 @@ def run_decode(a, dev) -> None:
         for r in comb.receivers:
             r.max_ctas = recv_ctas or r.max_ctas
         comb.load_world(world)
+        for r, snd in enumerate(comb.senders):   # the rows known on the host: the tile grid's size
+            snd.tile_launch = True
+            snd.prepare(comb.cfgs[r], comb.c[r], comb.offs[r], count_ptrs=[comb.counts[p] for p in range(8)],
+                        rows_in_c=comb.max_rows, same_gpu=True, expert_offsets_host=world.ranks[r].expert_offsets)
         comb.round()
         times = {}
         for label, kw in (("round", {}), ("sends only", {"receive": False})):
@@ -337,7 +365,10 @@ def run_decode(a, dev) -> None:
             times[label] = Timer(comb.origin).run(lambda i: graph.launch(comb.origin), 4 * a.iters, 10)["median_us"]
             graph.close()
         comb.round()
-        print(f"decode: send SMs/rank {comb.senders[0].grid:>3}, receive CTAs/rank {comb.receivers[0].grid:>3}: "
+        snd0 = comb.senders[0]
+        shape = snd0.block.launch_shape or (snd0.grid, snd0.threads, snd0.smem)
+        print(f"decode: send SMs/rank {comb.senders[0].grid:>3} (launch {shape[0]} x {shape[1]}), "
+              f"receive CTAs/rank {comb.receivers[0].grid:>3}: "
               f"round {times['round']:.1f} us, sends only {times['sends only']:.1f} us")
         comb.close()
 
@@ -366,7 +397,7 @@ def main() -> int:
     rng = np.random.default_rng(1)
     hidden, top_k, ranks, experts = 7168, 8, 8, 32
     msg, rows = 2 * hidden, a.tokens * top_k
-    c = _random_bytes(rows * msg, rng)
+    c = random_bytes(rows * msg, rng)
     cfg = P3PeerSendConfig.disabled()
     keep = []
     if a.peer:
@@ -410,8 +441,14 @@ def main() -> int:
     print(f"{rows} rows x {msg} B{' GPU0 -> GPU1' if a.peer else ''}: {ref_name} {ref:.1f} us")
     todo = variants()
     for spec in a.ptx:
-        name, _, path = spec.partition("=")
-        todo[name] = (open(path).read(), {})
+        name, _, rest = spec.partition("=")
+        path, _, shape = rest.partition("@")      # NAME=FILE[@GRIDxTHREADS] (GRID 0: the launcher's own)
+        opt = {"tile": True}
+        if shape:
+            g, t = (int(x) for x in shape.split("x"))
+            opt = {"threads": t, **({"grid": g} if g else {})}
+        todo[name] = (open(path).read(), opt)
+        todo[name + ", no signal"] = (todo[name][0], {**opt, "signal": False})
     for name, (text, opt) in todo.items():
         if (a.peer and opt.get("local_only")) or (not a.peer and opt.get("peer_only")):
             continue
@@ -419,28 +456,40 @@ def main() -> int:
             continue
         threads = opt.get("threads", 1024)
         sender = ScatterSend(experts, device=dev, threads=threads)
-        sender.k = kernels.load(text, device=dev, name=f"variant {name}")["p3_scatter_send"]
-        driver.set_max_dynamic_smem(sender.k.func, sender.smem)
-        sender.grid = dev.sm_count * opt.get("grid_mult", 1) // opt.get("grid_div", 1)
+        sender.k = loader.load(text, device=dev, name=f"variant {name}")["p3_scatter_send"]
+        driver.set_max_dynamic_smem(sender.k.func, max(sender.smem, 192 * 1024))
+        sender.tile_launch = bool(opt.get("tile"))
+        for attr in ("tile_threads", "TILE_VECTORS"):
+            if attr in opt:
+                setattr(sender, attr, opt[attr])
         blk = sender.prepare(cfg, c, offs, expert_offsets_host=off, rows_in_c=rows,
                              count_ptrs=counts if opt.get("signal", True) else None,
                              into=sender.k.params_block())
+        # variants with their own grid (the persistent kernel's shapes); tile variants keep
+        # the launcher's tile launch
+        if not opt.get("tile") or any(k in opt for k in ("grid_mult", "grid_div", "grid_rows", "grid")):
+            grid = dev.sm_count * opt.get("grid_mult", 1) // opt.get("grid_div", 1)
+            if "grid_rows" in opt:
+                grid = min(65535, max(1, rows // opt["grid_rows"]))
+            grid = opt.get("grid", grid)
+            blk.launch_shape = (grid, threads, sender.smem)
         t = timer.run(lambda i: sender.launch(s, blk), a.iters, 5)
+        g, thr, sm = blk.launch_shape or (sender.grid, sender.threads, sender.smem)
         print(f"{name:<24} {t['median_us']:8.1f} us  {t['median_us'] / ref:.3f}x {ref_name}  "
-              f"(min {t['min_us']:.1f}, regs {sender.k.num_regs}, grid {sender.grid} x {threads})")
+              f"(min {t['min_us']:.1f}, regs {sender.k.num_regs}, grid {g} x {thr}, smem {sm})")
         sender.close()
     # signal latency (one-warp pair, kernels concurrent) of the fence variants
-    from p3send import bench
-    orig = kernels.kernel
+    from p3send.cli import bench
+    orig = loader.kernel
     recv_dev = driver.device(1) if a.peer else dev
     offset = bench._clock_offset(dev, recv_dev)["offset_ns"] if a.peer else 0.0
     for name in ("baseline",) + (() if a.peer else ("gpu-scope fences",)):
-        k = kernels.load(variants()[name][0], device=dev, name=f"variant {name}")["p3_scatter_send"]
-        kernels.kernel = lambda entry, device=None, k=k: k if entry == "p3_scatter_send" else orig(entry, device)
+        k = loader.load(variants()[name][0], device=dev, name=f"variant {name}")["p3_scatter_send"]
+        loader.kernel = lambda entry, device=None, k=k: k if entry == "p3_scatter_send" else orig(entry, device)
         try:
             lat = bench._latency(dev, recv_dev, msg, 1, 1, threads=32, clock_offset_ns=offset)
         finally:
-            kernels.kernel = orig
+            loader.kernel = orig
         print(f"latency {name:<24} median {lat['median_us']:.2f} us, min {lat['min_us']:.2f} us")
     for b in keep + [c, rtab, srcb, offs]:
         b.free()

@@ -103,7 +103,8 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
                 y = torch._grouped_mm(x, bw, offs=ends)
             blk = prepared.get(y.data_ptr())
             if blk is None:   # the caching allocator hands back the same block: prepared once
-                blk = prepared[y.data_ptr()] = sender.prepare(cfgs[0], y.view(torch.uint8), offs, expert_offsets_host=off,
+                blk = prepared[y.data_ptr()] = sender.prepare(cfgs[0], y.view(torch.uint8), offs,
+                                                              expert_offsets_host=off,
                                                               count_ptrs=[b.ptr for b in counts[0]], same_gpu=True,
                                                               into=sender.k.params_block())
             sender.launch(s, blk)
@@ -171,5 +172,6 @@ def table(out: dict) -> str:
                  f"(target <= 1.00 prefill, < 1.00 decode)")
         L.append(f"   fused / gemm                             {r['fused_over_gemm']:.3f}x  "
                  f"(target <= 1.03 prefill, <= 1.02 decode)")
-        L.append(f"   fused / torch._grouped_mm then send      {r['fused_over_torch_then_send']:.3f}x  (target <= 0.90)")
+        L.append(f"   fused / torch._grouped_mm then send      {r['fused_over_torch_then_send']:.3f}x  "
+                 "(target <= 0.90)")
     return "\n".join(L)

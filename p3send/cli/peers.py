@@ -275,7 +275,7 @@ def compile_cuda(source: str, arch: str, defines: dict | None = None) -> tuple[b
             return f.read(), "nvcc"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_module(ordinal: int, arch: str, threads: int, vpt: int, hint: int = 0):
     cubin, how = compile_cuda(CUDA_SOURCE, arch, {"VPT": vpt, "HINT": hint, "MAXT": threads})
     return driver.load_image(cubin), how
@@ -547,7 +547,7 @@ if triton is not None:
     _TL_I32 = ("n_experts", "chunks", "cta_vecs")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_kernel(arch: int, bv: int, ep: int, signal: bool, num_warps: int):
     """Compile ``_scatter_tl`` ahead of time (no torch, no Triton launcher): (cubin, name,
     shared bytes, num_warps, the non-constexpr parameter names in order)."""

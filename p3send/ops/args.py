@@ -27,7 +27,7 @@ def aligned(name, addr, align, problems):
 # ---------------------------------------------------------------- device arrays (tensors)
 
 def _torch_like(obj) -> bool:
-    return hasattr(obj, "data_ptr") and hasattr(obj, "dtype") and hasattr(obj, "device") and hasattr(obj, "is_contiguous")
+    return all(hasattr(obj, a) for a in ("data_ptr", "dtype", "device", "is_contiguous"))
 
 
 def describe(obj) -> dict:

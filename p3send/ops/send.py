@@ -16,6 +16,7 @@ from .args import aligned, array_arg
 FLAG_ROW_CACHE = 1
 FLAG_SIGNAL = 2
 FLAG_SCOPE_GPU = 4   # every receiver on this GPU: .gpu-scope release (docs/PROTOCOL.md)
+FLAG_TILE = 8        # p3_scatter_send: the tile launch (flags bits 16..31: stamp/trace slots)
 
 
 def _send_args(launcher, cfg, expert_offsets, host_offsets, rows_cap, count_ptrs, row_cache, p3_control, same_gpu):
@@ -93,13 +94,26 @@ class ScatterSend(_Sender):
     """Launcher for ``p3_scatter_send`` on one device.
 
     Owns the sender state (per-expert completion and pair counters, zeroed once and
-    self-resetting) and the diagnostics buffer. ``num_sms`` limits the send to that many
-    SMs (one 1024-thread CTA each, like DeepEP's ``set_num_sms``); default: all SMs.
+    self-resetting) and the diagnostics buffer. Two launch shapes (docs/KERNELS.md):
+
+    - the tile launch (``FLAG_TILE``): one short-lived CTA of TILE_THREADS threads per tile
+      of TILE_THREADS*TILE_VECTORS 16-byte vectors, over the whole GPU (the shape of the
+      driver's copy). The default when no SM budget is set, the row cache is off, the rows
+      are known at ``prepare`` and the send is not small enough for the table mode;
+    - the persistent launch: ``grid`` CTAs of 1024 threads, one per SM. ``num_sms`` limits
+      the send to that many SMs (like DeepEP's ``set_num_sms``), and small sends (table
+      mode: at most 4*1024 rows, <= 32 experts, no row cache) take it too, since they are
+      faster there (docs/PERF.md).
     """
 
     THREADS = 1024
     #: cp.async staging per thread: 2 chunks x 6 vectors x 16 B (1024 threads: 192 KiB, one CTA per SM).
     SMEM_PER_THREAD = 2 * 6 * 16
+    #: the tile launch: CTAs of TILE_THREADS threads, TILE_VECTORS (<= 8) vectors per thread
+    TILE_THREADS = 128
+    TILE_VECTORS = 8
+    #: the table mode's limits (the kernel decides it from the offsets; docs/KERNELS.md)
+    TABLE_ROWS_PER_THREAD, TABLE_MAX_EXPERTS = 4, 32
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
                  threads: int = THREADS):
@@ -113,6 +127,8 @@ class ScatterSend(_Sender):
         self.dev = device or driver.device()
         self.k = kernel("p3_scatter_send", self.dev)
         self.n_experts, self.threads = int(n_experts), threads
+        self.tile_threads = self.TILE_THREADS if threads == self.THREADS else threads
+        self.tile_launch = None      # None: where it is faster (above); True: whenever it applies; False: never
         self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0)   # u64 done[e] + u32 pair[e][8]
         self.diag = driver.DeviceBuffer(16, fill=0)
         self.smem = self.SMEM_PER_THREAD * threads
@@ -124,11 +140,53 @@ class ScatterSend(_Sender):
         self.block = self.k.params_block()
 
     def set_num_sms(self, num_sms: int | None) -> None:
-        """Use ``num_sms`` SMs: one CTA each (a 1024-thread CTA's staging fills an SM's shared memory)."""
+        """Use ``num_sms`` SMs: the persistent launch, one CTA each (a 1024-thread CTA's
+        staging fills an SM's shared memory); None: every SM, and the tile launch where it
+        applies. A budget takes effect at the next launch, also of blocks prepared before;
+        lifting it, at the next ``prepare``. ``grid`` is also the number of stamp and trace
+        slots in either shape: size those buffers by it."""
         sms = self.dev.sm_count
         if num_sms is not None and not (1 <= num_sms <= sms):
             raise ConfigError([f"num_sms: expected 1..{sms}, got {num_sms}"], "ScatterSend")
         self.grid = num_sms or sms
+        self.budget = num_sms is not None and num_sms < sms
+
+    def tile_smem(self, cfg: P3PeerSendConfig, threads: int | None = None) -> int:
+        """The tile launch's dynamic shared memory (the PTX header's formula): the vectors'
+        slots 128*B, the row table 8*(1 + ceil((8*B - 1) / nv)), the offsets (8-byte padded)
+        and the range table."""
+        b, nv = threads or self.tile_threads, max(cfg.msg_bytes // 16, 1)
+        n, ranks = self.n_experts, max(int(cfg.n_ranks), 0)
+        return 128 * b + 8 * (1 + -(-(8 * b - 1) // nv)) + 8 * ((n + 2) // 2) + 8 * n * ranks
+
+    def table_mode(self, rows: int) -> bool:
+        """Whether a persistent launch of ``rows`` rows without the row cache runs the table mode."""
+        return 0 < rows <= self.TABLE_ROWS_PER_THREAD * self.threads and self.n_experts <= self.TABLE_MAX_EXPERTS
+
+    def _tile_shape(self, cfg, rows, cap, row_cache) -> tuple | None:
+        """(grid, block, smem) of the tile launch for this send, or None for the persistent one."""
+        if self.tile_launch is False or self.budget or row_cache or rows is None:
+            return None
+        nv = cfg.msg_bytes // 16
+        if self.tile_launch is None and self.table_mode(rows):
+            return None                                  # the table mode (persistent launch) is faster there
+        smem = self.tile_smem(cfg)
+        if max(rows, cap or 0) * nv >= 1 << 32 or smem > self.SMEM_PER_THREAD * self.THREADS or self.grid >= 1 << 16:
+            return None
+        tiles = -(-max(rows, 0) * nv // (self.tile_threads * self.TILE_VECTORS))
+        return max(1, min(tiles, (1 << 31) - 1)), self.tile_threads, smem
+
+    def launch(self, stream, block: ParamBlock | None = None) -> None:
+        """Launch a prepared block in the shape ``prepare`` chose; a budget set after a block
+        was prepared for the tile launch turns it into the persistent launch."""
+        blk = block or self.block
+        shape = getattr(blk, "launch_shape", None)
+        if shape is not None and self.budget:
+            flags = blk.get("flags")
+            flags.value &= ~(FLAG_TILE | 0xFFFF0000)
+            blk.launch_shape = shape = None
+        grid, threads, smem = shape or (self.grid, self.threads, self.smem)
+        blk.launch((grid,), (threads,), stream, smem)
 
     def prepare(self, cfg: P3PeerSendConfig, c, expert_offsets, c_row_stride: int | None = None, *,
                 count_ptrs=None, row_cache: bool = False, p3_control: int = 0, same_gpu: bool = False,
@@ -142,8 +200,8 @@ class ScatterSend(_Sender):
         a numpy array in ``expert_offsets_host`` (or pass a numpy array as expert_offsets,
         uploaded once) so bounds are checked; count_ptrs: up to 8 receive-count arrays
         (enables the arrival signal); same_gpu: every receiver is on this GPU, so the signal
-        may use .gpu-scope release (docs/PROTOCOL.md, "Visibility rules"); into: fill this block instead of the launcher's own
-        (several prepared launches, e.g. rotating inputs).
+        may use .gpu-scope release (docs/PROTOCOL.md, "Visibility rules"); into: fill this
+        block instead of the launcher's own (several prepared launches, e.g. rotating inputs).
         """
         stride = cfg.msg_bytes if c_row_stride is None else int(c_row_stride)
         arg_problems = []
@@ -159,9 +217,16 @@ class ScatterSend(_Sender):
             problems.append(f"c_row_stride: expected a multiple of 16 >= msg_bytes ({cfg.msg_bytes}), got {stride}")
         if problems:
             raise ConfigError(problems, "scatter-send launch")
-        return (into or self.block).set(cfg=cfg, count_ptrs=peers, c_ptr=c_addr, c_row_stride=stride,
-                                        expert_offsets=offs_addr, state_ptr=self.state, diag_ptr=self.diag,
-                                        n_experts=self.n_experts, flags=flags, p3_control=int(p3_control))
+        host = expert_offsets if isinstance(expert_offsets, np.ndarray) else expert_offsets_host
+        rows = int(host[-1]) - int(host[0]) if host is not None and len(host) else cap
+        shape = self._tile_shape(cfg, rows, cap, row_cache)
+        if shape is not None:
+            flags |= FLAG_TILE | self.grid << 16        # stamp/trace slots: as many as the persistent grid's
+        blk = (into or self.block).set(cfg=cfg, count_ptrs=peers, c_ptr=c_addr, c_row_stride=stride,
+                                       expert_offsets=offs_addr, state_ptr=self.state, diag_ptr=self.diag,
+                                       n_experts=self.n_experts, flags=flags, p3_control=int(p3_control))
+        blk.launch_shape = shape
+        return blk
 
 
 

@@ -429,7 +429,8 @@ UNUSABLE = [  # (id, suffix, text, extra args, phrase the one-line error must co
     ("private members", ".hpp", _cxx(keyword="class").replace("  public:\n", ""), (),
      ("class max::ep::P3PeerSendConfig: data member(s) atomic_counter, src_info_ptr, row_base_ptr and "
       "13 more are not public")),
-    ("base class", ".hpp", _cxx().replace("struct P3PeerSendConfig {", "struct Base {};\nstruct P3PeerSendConfig : Base {"),
+    ("base class", ".hpp",
+     _cxx().replace("struct P3PeerSendConfig {", "struct Base {};\nstruct P3PeerSendConfig : Base {"),
      (), "derives from Base"),
     ("ambiguous", ".hpp", _cxx() + "namespace other {\n" + GOOD_C.split("\n", 2)[2] + "}\n", (),
      "struct 'P3PeerSendConfig' is ambiguous (max::ep::P3PeerSendConfig, other::P3PeerSendConfig)"),
@@ -559,7 +560,8 @@ def test_layout_c_compiles(tmp_path, cli, compiler, std):
     rc, out = cli("layout", "--format", "c")
     assert rc == 0
     (tmp_path / "gen.h").write_text(out)
-    prog = '#include "gen.h"\n#include <stdio.h>\nint main(void) { printf("%d", (int)sizeof(P3PeerSendConfig)); return 0; }\n'
+    prog = ('#include "gen.h"\n#include <stdio.h>\n'
+            'int main(void) { printf("%d", (int)sizeof(P3PeerSendConfig)); return 0; }\n')
     assert compile_and_run(tmp_path, compiler, std, prog, "gen", include=tmp_path) == "184"
 
 

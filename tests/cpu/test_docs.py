@@ -177,7 +177,8 @@ def test_documented_kernels_are_shipped(section):
 def _struct_table(section: str, first_field: str) -> list[list[str]]:
     tables = [t for t in md_tables(section) if t and [c.lower() for c in t[0]] == STRUCT_COLUMNS
               and len(t) > 1 and t[1][3] == first_field]
-    assert len(tables) == 1, f"docs/KERNELS.md: expected one struct table starting with {first_field}, found {len(tables)}"
+    assert len(tables) == 1, (f"docs/KERNELS.md: expected one struct table starting with {first_field}, "
+                              f"found {len(tables)}")
     return tables[0][1:]
 
 
@@ -314,12 +315,15 @@ def test_cited_documents_and_sections_exist():
     assert not problems, "\n".join(problems)
 
 
+PATH_RE = r"(?<![\w/])((?:p3send|ptx|tests|tools)/[\w/]+\.(?:py|ptx|h|sh))"
+
+
 def test_cited_package_paths_exist():
     # Module paths named in the docs move with refactors; a stale one must fail here.
     texts = [("README.md", (ROOT / "README.md").read_text())]
     texts += [(f"docs/{p.name}", p.read_text()) for p in sorted(DOCS.glob("*.md"))]
     stale = [f"{rel}: {path}" for rel, text in texts
-             for path in sorted(set(re.findall(r"(?<![\w/])((?:p3send|ptx|tests|tools)/[\w/]+\.(?:py|ptx|h|sh))", text)))
+             for path in sorted(set(re.findall(PATH_RE, text)))
              if not (ROOT / path).exists()]
     assert not stale, "the docs name files that do not exist:\n" + "\n".join(stale)
 
@@ -350,7 +354,8 @@ def test_a_send_cta_leaves_no_room_for_a_receive_cta():
         return next(f.regs for f in r.functions if f.name == name)
 
     send, recv = regs("p3_scatter_send"), regs("p3_recv_reduce")
-    alloc = lambda n: -(-n // 8) * 8
+    def alloc(n):
+        return -(-n // 8) * 8
     assert alloc(send) * 1024 + alloc(recv) * 256 > 65536, (
         f"send {send} and receive {recv} registers per thread: a receive CTA now fits beside a send "
         f"CTA; update docs/PROTOCOL.md, 'Scheduling on one GPU'")

@@ -87,7 +87,8 @@ class Setup:
         return want, counts, res
 
     def free(self):
-        for b in self.cs + [x for r in self.recv for x in r] + self.counts + self.dsts + [self.rtab, self.srcb, self.offs]:
+        for b in (self.cs + [x for r in self.recv for x in r] + self.counts + self.dsts
+                  + [self.rtab, self.srcb, self.offs]):
             b.free()
 
 
@@ -126,7 +127,8 @@ def check_setup(setup: Setup, launch, want, want_counts, res, torch, stream, sen
     if sender is not None:
         d = sender.diagnostics()
         if (d["dropped"], d["unrouted"]) != (2 * res.dropped, 2 * res.unrouted):
-            problems.append(f"diagnostics {d} after two launches, oracle {res.dropped} dropped, {res.unrouted} unrouted each")
+            problems.append(f"diagnostics {d} after two launches, oracle {res.dropped} dropped, "
+                            f"{res.unrouted} unrouted each")
         state = sender.state.download(np.uint32)
         if state.any():
             problems.append(f"sender state not self-reset: {np.nonzero(state)[0][:8].tolist()} non-zero")
@@ -189,15 +191,13 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
         st = Setup(dev, sh, rng, torch)
         want, want_counts, res = st.expected(torch)
         senders = {}
-        try:
-            for scope, same in ((".sys", False), (".gpu", True)):
-                snd = ScatterSend(sh.experts, device=dev)
-                blocks = [snd.prepare(a["cfg"], a["c"], a["expert_offsets"], expert_offsets_host=a["expert_offsets_host"],
-                                      count_ptrs=a["count_ptrs"], rows_in_c=a["rows_in_c"], same_gpu=same,
-                                      into=snd.k.params_block()) for a in st.sends]
-                senders[f"p3_scatter_send ({scope} signal)"] = (snd, blocks)
-        except Exception as e:  # noqa: BLE001 -- the shipped kernel may be mid-rework; the peers still run
-            out.setdefault("errors", []).append(f"p3_scatter_send: {type(e).__name__}: {e}")
+        for scope, same in ((".sys", False), (".gpu", True)):
+            snd = ScatterSend(sh.experts, device=dev)
+            blocks = [snd.prepare(a["cfg"], a["c"], a["expert_offsets"],
+                                  expert_offsets_host=a["expert_offsets_host"], count_ptrs=a["count_ptrs"],
+                                  rows_in_c=a["rows_in_c"], same_gpu=same, into=snd.k.params_block())
+                      for a in st.sends]
+            senders[f"p3_scatter_send ({scope} signal)"] = (snd, blocks)
         for name, make in makers.items():
             snd = make(sh.experts)
             senders[name] = (snd, [snd.prepare(**a) for a in st.sends])
@@ -207,7 +207,8 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
         row_dst = []
         for cfg in st.cfgs:
             bufs = np.array(list(cfg.recv_buf_ptrs), np.uint64)
-            d = np.where(res.peer >= 0, bufs[np.maximum(res.peer, 0)] + (np.maximum(res.slot, 0) * st.msg).astype(np.uint64), 0)
+            base = bufs[np.maximum(res.peer, 0)] + (np.maximum(res.slot, 0) * st.msg).astype(np.uint64)
+            d = np.where(res.peer >= 0, base, 0)
             row_dst.append(driver.DeviceBuffer.from_array(d.astype(np.uint64)))
         pre = {}
         for t, v in ((256, 1), (256, 2), (256, 4)):
@@ -216,7 +217,8 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
             pre[f"diag: CUDA C++ rows copy, destinations precomputed ({t}, {v})"] = [peers.Launch(
                 func, "p3peer_rows", st.rows * chunks, block, 0,
                 [ctypes.c_uint64(row_dst[i].ptr), ctypes.c_uint64(st.cs[i].ptr), ctypes.c_uint64(st.msg),
-                 ctypes.c_int32(st.msg // 16), ctypes.c_int32(chunks), ctypes.c_int32(cta_vecs)]) for i in range(sh.sets)]
+                 ctypes.c_int32(st.msg // 16), ctypes.c_int32(chunks), ctypes.c_int32(cta_vecs)])
+                for i in range(sh.sets)]
         check = {}
         for name, (snd, blocks) in senders.items():
             check[name] = check_setup(st, lambda strm: snd.launch(strm, blocks[0]), want, want_counts, res, torch, s,

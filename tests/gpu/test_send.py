@@ -165,3 +165,96 @@ def test_torch_tensors_as_inputs(dev):
     c = torch.from_numpy(case.c).cuda()          # C given as a torch tensor (__cuda_array_interface__)
     torch.cuda.synchronize()
     assert_send_exact(run_send(dev, case, c_obj=c))
+
+
+class _TileOnGrid:
+    """ScatterSend's tile launch (FLAG_TILE) on its own grid (``grid`` None) or forced onto
+    ``grid`` CTAs, so that CTAs take several tiles (c, c+G, ...) of up to eight vectors per
+    thread; a sender for ``run_send``'s ``sender_factory``."""
+
+    def __init__(self, dev, case, grid: int, threads: int):
+        self.s = ScatterSend(case.n_experts, device=dev, threads=threads)
+        self.s.tile_launch, self.s.tile_threads = True, threads
+        self.grid, self.state, self.g, self.threads = self.s.grid, self.s.state, grid, threads
+
+    def __call__(self, cfg, c, case, *, stream, count_ptrs, row_cache, p3_control):
+        blk = self.s.prepare(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride,
+                             count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control)
+        assert blk.launch_shape[1] == self.threads, blk.launch_shape
+        assert blk._objs["flags"].value & ScatterSend.FLAG_TILE, "the tile launch was not chosen"
+        if self.g is not None:          # None: the launcher's own tile grid (one tile per CTA)
+            blk.launch_shape = (self.g, self.threads, blk.launch_shape[2])
+        s = stream or driver.Stream()
+        self.s.launch(s, blk)
+
+    def diagnostics(self):
+        return self.s.diagnostics()
+
+    def close(self):
+        self.s.close()
+
+
+@pytest.mark.parametrize("family", ["random", "zero_rows", "row_edges", "many_experts", "primes", "offset_base",
+                                    "unrouted", "bad_src_info", "skewed", "masked_experts"])
+def test_tile_launch_on_small_grids_byte_exact(dev, family):
+    # the tile path with fewer CTAs than tiles (each CTA loops over tiles, up to 4 vectors per
+    # thread), small and large blocks, stamps and trace folded onto the launcher's slots
+    case = send_case(family, fresh_seed("tile-grid"))
+    # (blocks up to 512: at 1024 threads and 16-byte rows the tile's shared memory, 128*B +
+    # 8*(1 + ceil((8*B - 1) / nv)), passes 192 KiB and the launcher takes the persistent path)
+    for grid, threads in ((None, 512), (None, 32), (1, 32), (3, 64), (7, 256), (2, 512)):
+        run = run_send(dev, case, stamps=True, trace=True,
+                       sender_factory=lambda c, g=grid, t=threads: _TileOnGrid(dev, c, g, t))
+        assert_send_exact(run)
+
+
+def test_default_launch_shapes(dev):
+    # no budget, no row cache: the tile launch over the rows' vectors; a budget or the row
+    # cache: the persistent launch (num_sms bounds the SMs the send occupies)
+    case = send_case("primes", fresh_seed("shapes"))
+    cfg = _cfg_of(case)
+    c = driver.DeviceBuffer.from_array(case.c)
+    cfg.atomic_counter = cfg.src_info_ptr = cfg.row_base_ptr = c.ptr   # prepared, never launched
+    cfg.recv_buf_ptrs = [c.ptr] * 8
+    for num_sms, row_cache, tile in ((None, False, True), (dev.sm_count, False, True), (5, False, False),
+                                     (None, True, False)):
+        s = ScatterSend(case.n_experts, device=dev, num_sms=num_sms)
+        blk = s.prepare(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride, row_cache=row_cache)
+        rows = int(case.expert_offsets[-1] - case.expert_offsets[0])
+        tile = tile and not s.table_mode(rows)       # small sends: the table mode, persistent
+        want = (-(-rows * (case.msg_bytes // 16) // (s.TILE_THREADS * s.TILE_VECTORS)), s.TILE_THREADS,
+                s.tile_smem(cfg)) if tile else None                  # None: the persistent launch
+        assert blk.launch_shape == want, (num_sms, row_cache, blk.launch_shape, want)
+        assert bool(blk._objs["flags"].value & ScatterSend.FLAG_TILE) == tile
+        assert s.grid == (num_sms or dev.sm_count)
+        s.close()
+    # forced (tile_launch = True) even where the table mode would apply; never with a budget
+    s = ScatterSend(case.n_experts, device=dev)
+    s.tile_launch = True
+    assert s.prepare(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride).launch_shape is not None
+    s.set_num_sms(5)
+    assert s.prepare(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride).launch_shape is None
+    s.close()
+    c.free()
+
+
+def test_tile_launch_with_short_shared_memory_is_rejected(dev):
+    # a foreign launcher giving the tile mode less dynamic shared memory than the header's
+    # formula: the kernel refuses (diag[2]) and writes nothing
+    case = send_case("random", fresh_seed("tile-smem"))
+
+    class Short(_TileOnGrid):
+        def __call__(self, cfg, c, case, **kw):
+            blk = self.s.prepare(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride,
+                                 count_ptrs=kw["count_ptrs"], row_cache=kw["row_cache"], p3_control=kw["p3_control"])
+            blk.launch_shape = (blk.launch_shape[0], self.threads, blk.launch_shape[2] - 8)
+            s = kw["stream"] or driver.Stream()
+            self.s.launch(s, blk)
+            s.synchronize()
+            self.rejected = self.s.diagnostics(reset=False)["rejected"]
+            self.s.diag.fill(0)
+
+    senders = []
+    run = run_send(dev, case, sender_factory=lambda c: senders.append(Short(dev, c, None, 128)) or senders[-1])
+    assert senders[0].rejected, "a short tile launch was not rejected"
+    assert all((r == 0xAB).all() for r in run.recv), f"{case}: a rejected launch wrote"
