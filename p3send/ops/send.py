@@ -110,6 +110,7 @@ class ScatterSend(_Sender):
     #: cp.async staging per thread: 2 chunks x 6 vectors x 16 B (1024 threads: 192 KiB, one CTA per SM).
     SMEM_PER_THREAD = 2 * 6 * 16
     #: the tile launch: CTAs of TILE_THREADS threads, TILE_VECTORS (<= 8) vectors per thread
+    FLAG_TILE = FLAG_TILE
     TILE_THREADS = 128
     TILE_VECTORS = 8
     #: the table mode's limits (the kernel decides it from the offsets; docs/KERNELS.md)

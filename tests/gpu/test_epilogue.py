@@ -75,6 +75,7 @@ class LinkedConsumer:
         mod = loader.link([("consumer.ptx", (DATA / "consumer.ptx").read_text()), "p3_send_rows"],
                            device=dev, name="consumer+p3_send_rows")
         self.k = mod["consumer"]
+        self.dev = dev
         self.n_experts, self.grid = case.n_experts, case.n_experts
         self.state = driver.DeviceBuffer(40 * case.n_experts, fill=0)
         self.diag = driver.DeviceBuffer(16, fill=0)
