@@ -98,12 +98,10 @@ class ScatterSend(_Sender):
 
     - the tile launch (``FLAG_TILE``): one short-lived CTA of TILE_THREADS threads per tile
       of TILE_THREADS*TILE_VECTORS 16-byte vectors, over the whole GPU (the shape of the
-      driver's copy). The default when no SM budget is set, the row cache is off, the rows
-      are known at ``prepare`` and the send is not small enough for the table mode;
+      driver's copy). The default when no SM budget is set, the row cache is off and the
+      rows are known at ``prepare`` (``tile_launch = False`` turns it off);
     - the persistent launch: ``grid`` CTAs of 1024 threads, one per SM. ``num_sms`` limits
-      the send to that many SMs (like DeepEP's ``set_num_sms``), and small sends (table
-      mode: at most 4*1024 rows, <= 32 experts, no row cache) take it too, since they are
-      faster there (docs/PERF.md).
+      the send to that many SMs (like DeepEP's ``set_num_sms``); the row cache needs it.
     """
 
     THREADS = 1024
@@ -113,8 +111,6 @@ class ScatterSend(_Sender):
     FLAG_TILE = FLAG_TILE
     TILE_THREADS = 128
     TILE_VECTORS = 8
-    #: the table mode's limits (the kernel decides it from the offsets; docs/KERNELS.md)
-    TABLE_ROWS_PER_THREAD, TABLE_MAX_EXPERTS = 4, 32
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
                  threads: int = THREADS):
@@ -129,7 +125,7 @@ class ScatterSend(_Sender):
         self.k = kernel("p3_scatter_send", self.dev)
         self.n_experts, self.threads = int(n_experts), threads
         self.tile_threads = self.TILE_THREADS if threads == self.THREADS else threads
-        self.tile_launch = None      # None: where it is faster (above); True: whenever it applies; False: never
+        self.tile_launch = True      # False: always the persistent launch
         self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0)   # u64 done[e] + u32 pair[e][8]
         self.diag = driver.DeviceBuffer(16, fill=0)
         self.smem = self.SMEM_PER_THREAD * threads
@@ -160,17 +156,11 @@ class ScatterSend(_Sender):
         n, ranks = self.n_experts, max(int(cfg.n_ranks), 0)
         return 128 * b + 8 * (1 + -(-(8 * b - 1) // nv)) + 8 * ((n + 2) // 2) + 8 * n * ranks
 
-    def table_mode(self, rows: int) -> bool:
-        """Whether a persistent launch of ``rows`` rows without the row cache runs the table mode."""
-        return 0 < rows <= self.TABLE_ROWS_PER_THREAD * self.threads and self.n_experts <= self.TABLE_MAX_EXPERTS
-
     def _tile_shape(self, cfg, rows, cap, row_cache) -> tuple | None:
         """(grid, block, smem) of the tile launch for this send, or None for the persistent one."""
-        if self.tile_launch is False or self.budget or row_cache or rows is None:
+        if not self.tile_launch or self.budget or row_cache or rows is None:
             return None
         nv = cfg.msg_bytes // 16
-        if self.tile_launch is None and self.table_mode(rows):
-            return None                                  # the table mode (persistent launch) is faster there
         smem = self.tile_smem(cfg)
         if max(rows, cap or 0) * nv >= 1 << 32 or smem > self.SMEM_PER_THREAD * self.THREADS or self.grid >= 1 << 16:
             return None

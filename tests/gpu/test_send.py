@@ -221,15 +221,16 @@ def test_default_launch_shapes(dev):
         s = ScatterSend(case.n_experts, device=dev, num_sms=num_sms)
         blk = s.prepare(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride, row_cache=row_cache)
         rows = int(case.expert_offsets[-1] - case.expert_offsets[0])
-        tile = tile and not s.table_mode(rows)       # small sends: the table mode, persistent
         want = (-(-rows * (case.msg_bytes // 16) // (s.TILE_THREADS * s.TILE_VECTORS)), s.TILE_THREADS,
                 s.tile_smem(cfg)) if tile else None                  # None: the persistent launch
         assert blk.launch_shape == want, (num_sms, row_cache, blk.launch_shape, want)
         assert bool(blk._objs["flags"].value & ScatterSend.FLAG_TILE) == tile
         assert s.grid == (num_sms or dev.sm_count)
         s.close()
-    # forced (tile_launch = True) even where the table mode would apply; never with a budget
+    # tile_launch = False: the persistent launch; never with a budget
     s = ScatterSend(case.n_experts, device=dev)
+    s.tile_launch = False
+    assert s.prepare(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride).launch_shape is None
     s.tile_launch = True
     assert s.prepare(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride).launch_shape is not None
     s.set_num_sms(5)
