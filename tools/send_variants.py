@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from p3send import P3PeerSendConfig
+from p3send.abi.config import rank_config
 from p3send.abi.layout import encode_range_table
 from p3send.cli.bench import Timer, prefill_routing, random_bytes
 from p3send.cuda import driver, loader, ptxdoc
@@ -294,11 +294,8 @@ def run_epilogue(a, dev) -> None:
     counts = [driver.DeviceBuffer(8 * experts * ranks, fill=0xFF) for _ in range(ranks)]
     rtab, srcb, offs = (driver.DeviceBuffer.from_array(x) for x in (table, src, off))
     cache = driver.DeviceBuffer(8 * rows, fill=0)
-    cfg = P3PeerSendConfig.disabled()
-    cfg.atomic_counter, cfg.src_info_ptr, cfg.row_base_ptr = rtab.ptr, srcb.ptr, cache.ptr
-    cfg.recv_buf_ptrs = [b.ptr for b in recvs]
-    cfg.n_ranks = cfg.p2p_world_size = ranks
-    cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank = top_k, msg, a.tokens
+    cfg = rank_config(n_ranks=ranks, recv_bufs=recvs, top_k=top_k, msg_bytes=msg, max_tokens=a.tokens,
+                      range_table=rtab, src_info=srcb, row_base=cache)
     s = driver.Stream()
     timer = Timer(s)
     z = timer.run(lambda i: cache.fill(0, s), a.iters, 5)["median_us"]
@@ -398,7 +395,6 @@ def main() -> int:
     hidden, top_k, ranks, experts = 7168, 8, 8, 32
     msg, rows = 2 * hidden, a.tokens * top_k
     c = random_bytes(rows * msg, rng)
-    cfg = P3PeerSendConfig.disabled()
     keep = []
     if a.peer:
         peer = driver.device(1)
@@ -424,10 +420,8 @@ def main() -> int:
         keep += recvs + counts
     rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
     offs = driver.DeviceBuffer.from_array(off)
-    cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, srcb.ptr
-    cfg.recv_buf_ptrs = recv_ptrs + [0x1] * (8 - ranks)
-    cfg.n_ranks = cfg.p2p_world_size = ranks
-    cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank = top_k, msg, a.tokens
+    cfg = rank_config(n_ranks=ranks, recv_bufs=recv_ptrs, top_k=top_k, msg_bytes=msg, max_tokens=a.tokens,
+                      range_table=rtab, src_info=srcb)
     s = driver.Stream()
     timer = Timer(s)
     if a.peer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..abi.config import P3PeerSendConfig
+from ..abi.config import P3PeerSendConfig, rank_config
 from ..cuda import driver
 from ..ops.gemm import GroupedGemmSend
 from ..ops.send import ScatterSend
@@ -21,12 +21,8 @@ SECTION_SHAPES = ("prefill", "decode")
 
 
 def _cfg(rtab, src, recv, ranks, top_k, msg, tokens) -> P3PeerSendConfig:
-    cfg = P3PeerSendConfig.disabled()
-    cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, src.ptr
-    cfg.recv_buf_ptrs = [recv[p].ptr if p < ranks else 0x1 for p in range(8)]
-    cfg.n_ranks = cfg.p2p_world_size = ranks
-    cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = top_k, msg, tokens, 0
-    return cfg
+    return rank_config(n_ranks=ranks, recv_bufs=recv[:ranks], top_k=top_k, msg_bytes=msg, max_tokens=tokens,
+                       range_table=rtab, src_info=src)
 
 
 def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -> dict:

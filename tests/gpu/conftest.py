@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from p3send import P3PeerSendConfig
+from p3send.abi.config import rank_config
 from p3send.cuda import driver
 from p3send.ops.send import EpilogueSend, ScatterSend
 from p3send.oracle import reference as ref
@@ -104,18 +105,11 @@ def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=Fal
     st = buf(16 * sender.grid, 0) if stamps else None
     tr = buf(8 * 16 * sender.grid, 0) if trace else None
 
-    cfg = P3PeerSendConfig.disabled()
-    if not disabled:
-        cfg.atomic_counter, cfg.src_info_ptr = rtab.ptr, src.ptr
-        if cache is not None:
-            cfg.row_base_ptr = cache.ptr
-        cfg.recv_buf_ptrs = [recv[p].ptr + GUARD if p < n_peers else 0x1 for p in range(8)]
-        cfg.n_ranks, cfg.p2p_world_size, cfg.top_k = case.n_ranks, case.p2p_world_size, case.top_k
-        cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = case.msg_bytes, case.max_tokens_per_rank, case.my_rank
-        if st is not None:
-            cfg.send_stamp_ptr, cfg.send_stamp_on = st.ptr, 1
-        if tr is not None:
-            cfg.trace_ptr, cfg.trace_on, cfg.send_trace_slot = tr.ptr, 1, 3
+    cfg = P3PeerSendConfig.disabled() if disabled else rank_config(
+        n_ranks=case.n_ranks, my_rank=case.my_rank, p2p_world_size=case.p2p_world_size,
+        recv_bufs=[recv[p].ptr + GUARD for p in range(n_peers)], top_k=case.top_k, msg_bytes=case.msg_bytes,
+        max_tokens=case.max_tokens_per_rank, range_table=rtab, src_info=src, row_base=cache, send_stamps=st,
+        trace=tr, trace_slot=3)
     count_ptrs = [counts[p].ptr + 16 for p in range(n_peers)] if signal and not disabled else None
     try:
         common = dict(stream=stream, count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control)

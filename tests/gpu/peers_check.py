@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p3send.abi.config import P3PeerSendConfig
+from p3send.abi.config import rank_config
 from p3send.abi.layout import SENTINEL
 from p3send.cli import peers
 from p3send.cli.bench import Timer, prefill_routing, random_bytes
@@ -65,11 +65,9 @@ class Setup:
         self.offs = driver.DeviceBuffer.from_array(self.off)
         self.cfgs, self.sends = [], []
         for i in range(sh.sets):
-            cfg = P3PeerSendConfig.disabled()
-            cfg.atomic_counter, cfg.src_info_ptr = self.rtab.ptr, self.srcb.ptr
-            cfg.recv_buf_ptrs = [self.recv[i][p].ptr + GUARD if p < sh.ranks else 0x1 for p in range(8)]
-            cfg.n_ranks = cfg.p2p_world_size = sh.ranks
-            cfg.top_k, cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = sh.top_k, self.msg, sh.tokens, 0
+            cfg = rank_config(n_ranks=sh.ranks, recv_bufs=[b.ptr + GUARD for b in self.recv[i][:sh.ranks]],
+                              top_k=sh.top_k, msg_bytes=self.msg, max_tokens=sh.tokens, range_table=self.rtab,
+                              src_info=self.srcb)
             self.cfgs.append(cfg)
             self.sends.append(dict(cfg=cfg, c=self.cs[i], expert_offsets=self.offs, expert_offsets_host=self.off,
                                    count_ptrs=[b.ptr + 16 for b in self.counts], rows_in_c=self.rows))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from p3send import ConfigError, P3PeerSendConfig
+from p3send.abi.config import rank_config
 from p3send.cuda import driver
 from p3send.ops.send import ScatterSend
 from p3send.oracle import reference as ref
@@ -115,10 +116,8 @@ def test_poisoned_src_info_is_seen(dev):
 
 
 def _cfg_of(case) -> P3PeerSendConfig:
-    cfg = P3PeerSendConfig.disabled()
-    cfg.n_ranks, cfg.p2p_world_size, cfg.top_k = case.n_ranks, case.p2p_world_size, case.top_k
-    cfg.msg_bytes, cfg.max_tokens_per_rank, cfg.my_rank = case.msg_bytes, case.max_tokens_per_rank, case.my_rank
-    return cfg
+    return rank_config(n_ranks=case.n_ranks, my_rank=case.my_rank, p2p_world_size=case.p2p_world_size,
+                       top_k=case.top_k, msg_bytes=case.msg_bytes, max_tokens=case.max_tokens_per_rank)
 
 
 def test_stale_row_cache_never_writes_outside(dev):
@@ -140,9 +139,8 @@ def test_device_rejects_a_bad_config_without_writing(dev):
     recv = driver.DeviceBuffer(1 << 16, fill=0xAB)
     c = driver.DeviceBuffer.from_array(case.c)
     offs = driver.DeviceBuffer.from_array(case.expert_offsets.astype(np.int32))
-    cfg = P3PeerSendConfig.disabled()
-    cfg.n_ranks, cfg.p2p_world_size, cfg.top_k, cfg.msg_bytes = 9, 1, 1, 24   # n_ranks 9, msg 24
-    cfg.recv_buf_ptrs = [recv.ptr] * 8
+    cfg = rank_config(n_ranks=9, p2p_world_size=1, top_k=1, msg_bytes=24, max_tokens=0,   # n_ranks 9, msg 24
+                      recv_bufs=[recv] * 8)
     with pytest.raises(ConfigError, match="n_ranks"):
         sender.prepare(cfg, c, offs)
     sender.block.set(cfg=cfg, c_ptr=c, c_row_stride=24, expert_offsets=offs, state_ptr=sender.state,
