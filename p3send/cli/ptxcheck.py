@@ -230,7 +230,43 @@ def lint(text: str, name: str = "<ptx>") -> list[str]:
     for ln, s in enumerate(lines, 1):
         if len(_LD_MNEMONIC.findall(s.split("//", 1)[0])) > parsed.get(ln, 0):
             out.append((ln, f"cannot check '{s.strip()}': load parameters as [name+offset]"))
+    out += constant_problems(lines)                                             # (f)
     return [f"{name}:{ln}: {msg}" for ln, msg in sorted(out, key=lambda x: x[0])]
+
+
+_CONSTANTS = re.compile(r"^//\s*CONSTANTS\s+(.*)$")
+_IMMEDIATE = re.compile(r"(?<![%\w.])(\d+)\b")
+
+
+def header_constants(lines: list[str]) -> dict[str, int]:
+    """The ``// CONSTANTS NAME=value ...`` lines of a file's header."""
+    found = {}
+    for s in lines:
+        m = _CONSTANTS.match(s.strip())
+        if m:
+            found.update({k: int(v, 0) for k, v in re.findall(r"(\w+)=(\w+)", m.group(1))})
+    return found
+
+
+def constant_problems(lines: list[str]) -> list[tuple[int, str]]:
+    """(f) Magic numbers tied to the header: an instruction whose comment names a constant
+    of the header's CONSTANTS line (``NAME`` or ``NAME-1``) must carry that value as an
+    immediate, and every constant must be used so."""
+    consts = header_constants(lines)
+    used, out = set(), []
+    for ln, s in enumerate(lines, 1):
+        code, _, comment = s.partition("//")
+        if not code.strip():
+            continue
+        for m in re.finditer(r"\b(" + "|".join(map(re.escape, consts)) + r")(\s*-\s*1)?\b", comment) if consts else ():
+            want = consts[m.group(1)] - (1 if m.group(2) else 0)
+            used.add(m.group(1))
+            if want not in {int(x) for x in _IMMEDIATE.findall(code)}:
+                out.append((ln, f"'{s.strip()}': the comment names {m.group(0).replace(' ', '')} = {want} "
+                                "(CONSTANTS in the header) but the instruction has no such immediate"))
+    out += [(1, f"CONSTANTS {n} is used by no instruction (name it in the comment of each use)")
+            for n in consts if n not in used]
+    return out
 
 
 def file_problems(text: str, name: str = "<ptx>") -> list[str]:

@@ -298,3 +298,21 @@ def test_missing_nvjitlink_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings.nvjitlink", None)   # import now fails
     with pytest.raises(P3SendError, match=r"pip install nvidia-nvjitlink==13\.0\.\*"):
         ptxcheck.assemble(".version 8.0\n", "x.ptx", "sm_90")
+
+
+# --------------------------------------------------------------------------- (f) constants
+
+def test_header_constants_tie_the_magic_numbers():
+    text = (PTX_DIR / "p3_scatter_send.ptx").read_text()
+    consts = ptxcheck.header_constants(text.splitlines())
+    assert consts["CHUNK_VECTORS"] == 192 and consts["RANGE_AT"] == 136
+    from p3send.ops import send
+    assert {k: v for k, v in consts.items() if k.startswith("FLAG_")} == {
+        n: getattr(send, n) for n in dir(send) if n.startswith("FLAG_")}
+    assert ptxcheck.constant_problems(text.splitlines()) == []
+    # a drifted immediate and an unnamed constant are both reported
+    bad = mutate(text, "div.u32             %cpr, %cpr, 192;", "div.u32             %cpr, %cpr, 190;")
+    got = ptxcheck.constant_problems(bad.splitlines())
+    assert len(got) == 1 and "CHUNK_VECTORS = 192" in got[0][1], got
+    unused = text.replace("RANGE_AT=136", "RANGE_AT=136 SPARE=7", 1)
+    assert any("SPARE is used by no instruction" in m for _, m in ptxcheck.constant_problems(unused.splitlines()))
