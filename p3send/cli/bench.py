@@ -61,6 +61,35 @@ class Timer:
             e.close()
         return {"median_us": statistics.median(us), "min_us": min(us), "max_us": max(us), "n": iters}
 
+    def interleaved(self, fns: dict, rounds: int, per_round: int, warmup: int) -> dict:
+        """Every contender of ``fns`` (name -> fn(i)) timed in turns: ``rounds`` rounds of
+        ``per_round`` launches each, the order rotated every round, so slow drifts of the
+        GPU (clocks, power, temperature) fall on every contender alike. Returns name -> the
+        median, min and max over all its launches."""
+        names = list(fns)
+        for n in names:
+            for i in range(warmup):
+                fns[n](i)
+        self.s.synchronize()
+        times = {n: [] for n in names}
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            marks = []
+            for n in order:
+                for i in range(per_round):
+                    e0, e1 = driver.Event(), driver.Event()
+                    e0.record(self.s)
+                    fns[n](r * per_round + i)
+                    e1.record(self.s)
+                    marks.append((n, e0, e1))
+            self.s.synchronize()
+            for n, e0, e1 in marks:
+                times[n].append(1000.0 * e0.elapsed_ms(e1))
+                e0.close()
+                e1.close()
+        return {n: {"median_us": statistics.median(v), "min_us": min(v), "max_us": max(v), "n": len(v),
+                    "interleaved": True} for n, v in times.items()}
+
 
 def _torch():
     try:

@@ -81,22 +81,15 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
                               for p in range(ranks))
             checks[f"bm={bm}"] = bool(same and same_counts)
         out["fused_equals_gated_then_scatter_send"] = checks
-        # timings
-        for name, bw in layouts.items():
-            def tgm(i, bw=bw):
-                with torch.cuda.stream(ts):
-                    torch._grouped_mm(x, bw, offs=ends)
-            try:
-                res[f"torch._grouped_mm, {name}"] = timer.run(tgm, a.iters, a.warmup)
-            except RuntimeError as e:          # a layout this torch does not take
-                out.setdefault("torch_layout_errors", {})[name] = str(e)[:200]
-        best = min((k for k in res if k.startswith("torch._grouped_mm")), key=lambda k: res[k]["median_us"])
-        bw = layouts[best.split(", ", 1)[1]]
+        # timings: every contender in turns (Timer.interleaved), weights in both layouts for torch
         prepared = {}
 
-        def tgm_send(i):
+        def tgm(i, bw):
             with torch.cuda.stream(ts):
-                y = torch._grouped_mm(x, bw, offs=ends)
+                return torch._grouped_mm(x, bw, offs=ends)
+
+        def tgm_send(i, bw):
+            y = tgm(i, bw)
             blk = prepared.get(y.data_ptr())
             if blk is None:   # the caching allocator hands back the same block: prepared once
                 blk = prepared[y.data_ptr()] = sender.prepare(cfgs[0], y.view(torch.uint8), offs,
@@ -104,15 +97,27 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
                                                               count_ptrs=[b.ptr for b in counts[0]], same_gpu=True,
                                                               into=sender.k.params_block())
             sender.launch(s, blk)
-        res["torch._grouped_mm + p3_scatter_send"] = timer.run(tgm_send, a.iters, a.warmup)
+
+        fns = {}
+        for name, bw in layouts.items():
+            try:
+                tgm(0, bw)
+            except RuntimeError as e:          # a layout this torch does not take
+                out.setdefault("torch_layout_errors", {})[name] = str(e)[:200]
+                continue
+            fns[f"torch._grouped_mm, {name}"] = lambda i, bw=bw: tgm(i, bw)
+            fns[f"torch._grouped_mm + p3_scatter_send, {name}"] = lambda i, bw=bw: tgm_send(i, bw)
         for name, blk in blocks.items():
-            res[f"p3_gemm_send {name}"] = timer.run(lambda i, blk=blk: gem.launch(s, blk), a.iters, a.warmup)
+            fns[f"p3_gemm_send {name}"] = lambda i, blk=blk: gem.launch(s, blk)
         if "linked" in gemms:
             lk = gemms["linked"]
-            bm = 128 if rows > 64 * E else 64
-            lk.prepare(cfgs[1], x, w, offs, bm=bm, count_ptrs=[b.ptr for b in counts[1]], p3_control=0,
+            lbm = 128 if rows > 64 * E else 64
+            lk.prepare(cfgs[1], x, w, offs, bm=lbm, count_ptrs=[b.ptr for b in counts[1]], p3_control=0,
                        same_gpu=True, **common)
-            res[f"p3_gemm_send fused bm={bm}, linked (cuLink)"] = timer.run(lambda i: lk.launch(s), a.iters // 2 + 2, 2)
+            fns[f"p3_gemm_send fused bm={lbm}, linked (cuLink)"] = lambda i: lk.launch(s)
+        res = timer.interleaved(fns, rounds=max(5, a.iters // 4), per_round=4, warmup=a.warmup)
+        best = min((k for k in res if k.startswith("torch._grouped_mm,")), key=lambda k: res[k]["median_us"])
+        best_send = min((k for k in res if k.startswith("torch._grouped_mm + ")), key=lambda k: res[k]["median_us"])
         for v in res.values():
             v["TFLOPs"] = flops / (v["median_us"] * 1e-6) / 1e12
         mine = {bm: res[f"p3_gemm_send gated bm={bm}"]["median_us"] for bm in bms}
@@ -122,7 +127,7 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
         out.update(results=res, best_torch=best, best_bm=bm,
                    gemm_over_torch=mine[bm] / t_gm,
                    fused_over_gemm=t_fused / mine[bm],
-                   fused_over_torch_then_send=t_fused / res["torch._grouped_mm + p3_scatter_send"]["median_us"])
+                   fused_over_torch_then_send=t_fused / res[best_send]["median_us"])
     finally:
         for gm in gemms.values():
             gm.close()
@@ -161,9 +166,11 @@ def table(out: dict) -> str:
     for shape, r in g.items():
         L.append(f"\n8. grouped GEMM + send, {shape}: {r['rows']} rows over {r['experts']} experts, K={r['k']}, "
                  f"N={r['n']} ({r['gflop']:.1f} GFLOP); fused == gated C then p3_scatter_send: "
-                 f"{r['fused_equals_gated_then_scatter_send']}")
+                 f"{r['fused_equals_gated_then_scatter_send']}; contenders timed in turns, "
+                 f"{next(iter(r['results'].values()))['n']} launches each (median, min .. max)")
         for k, v in r["results"].items():
-            L.append(f"   {k:<48} {v['median_us']:9.1f} us  {v['TFLOPs']:6.1f} TFLOP/s")
+            L.append(f"   {k:<58} {v['median_us']:9.1f} us  {v['TFLOPs']:6.1f} TFLOP/s  "
+                     f"({v['min_us']:.0f} .. {v['max_us']:.0f})")
         L.append(f"   gemm (bm={r['best_bm']}) / best torch._grouped_mm  {r['gemm_over_torch']:.3f}x  "
                  f"(target <= 1.00 prefill, < 1.00 decode)")
         L.append(f"   fused / gemm                             {r['fused_over_gemm']:.3f}x  "
