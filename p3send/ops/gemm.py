@@ -22,7 +22,7 @@ from ..abi.errors import ConfigError, P3SendError
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel, link, ptx_dir
 from .args import aligned, nbytes
-from .send import _diagnostics, _send_args
+from .send import _send_args, _Sender
 
 ENTRY = "p3_gemm_send"
 THREADS = 384
@@ -82,7 +82,7 @@ def _module_text_linked() -> str:
     return (ptx_dir() / f"{ENTRY}.ptx").read_text().replace(".visible .func p3_send_", ".extern .func p3_send_")
 
 
-class GroupedGemmSend:
+class GroupedGemmSend(_Sender):
     """Launcher for ``p3_gemm_send`` on one Hopper GPU. Owns the sender state (zeroed once,
     self-resetting), the diagnostics and the P3SendCtx.
 
@@ -219,25 +219,8 @@ class GroupedGemmSend:
         return blk.set(cfg=cfg, ctx=dev_args.ptr, tmaps=dev_args.ptr + 256, c_ptr=c_addr,
                        c_row_stride=stride, n_cols=n_cols, k_dim=k_dim, bm=bm)
 
-    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
-        (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
-
-    def __call__(self, *args, stream=None, **kw) -> None:
-        """prepare(*args, **kw) and launch; synchronous when no stream is given."""
-        blk = self.prepare(*args, **kw)
-        s = stream or driver.Stream()
-        self.launch(s, blk)
-        if stream is None:
-            s.synchronize()
-            s.close()
-
-    def diagnostics(self, reset: bool = True) -> dict:
-        """As ScatterSend.diagnostics: rows dropped by the bounds check, rows owned by no
-        rank, cfg refused on the device."""
-        return _diagnostics(self.diag, reset)
-
     def close(self) -> None:
-        for b in [self.state, self.diag, getattr(self, "_offs_buf", None), *self._dev_args.values()]:
-            if b is not None:
-                b.free()
+        super().close()
+        for b in self._dev_args.values():
+            b.free()
         self._dev_args = {}
