@@ -476,12 +476,12 @@ def main() -> int:
     from p3send.cli import bench
     orig = loader.kernel
     recv_dev = driver.device(1) if a.peer else dev
-    offset = bench._clock_offset(dev, recv_dev)["offset_ns"] if a.peer else 0.0
+    offset = bench.clock_offset(dev, recv_dev)["offset_ns"] if a.peer else 0.0
     for name in ("baseline",) + (() if a.peer else ("gpu-scope fences",)):
         k = loader.load(variants()[name][0], device=dev, name=f"variant {name}")["p3_scatter_send"]
         loader.kernel = lambda entry, device=None, k=k: k if entry == "p3_scatter_send" else orig(entry, device)
         try:
-            lat = bench._latency(dev, recv_dev, msg, 1, 1, threads=32, clock_offset_ns=offset)
+            lat = bench.signal_latency(dev, recv_dev, msg, 1, 1, threads=32, clock_offset_ns=offset)
         finally:
             loader.kernel = orig
         print(f"latency {name:<24} median {lat['median_us']:.2f} us, min {lat['min_us']:.2f} us")

@@ -119,10 +119,6 @@ def random_bytes(nbytes: int, rng, torch=None, ordinal: int = 0) -> driver.Devic
     return buf
 
 
-#: The old private name (tools/ still import it); use ``random_bytes``.
-_random_bytes = random_bytes
-
-
 def prefill_routing(tokens: int, ranks: int, top_k: int, experts: int, rng):
     """One sender's rows at the prefill shape: tokens*top_k rows (the average a rank owns)
     grouped by local expert, each row owned by a random rank, unique (token, k) slots per
@@ -272,7 +268,7 @@ def bench_decode(a, dev, rng, out: dict) -> None:
     comb.close()
 
 
-def _latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 60,
+def signal_latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 60,
              threads: int = ScatterSend.THREADS, clock_offset_ns: float = 0.0) -> dict:
     """``rows`` rows of one expert to one rank; the receiver (one token, on ``recv_dev``,
     one warp per 512-byte unit of the row, so every warp is spinning on the count when it
@@ -328,9 +324,9 @@ def _latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 
 
 def bench_latency(a, dev, out: dict) -> None:
     msg = 2 * a.hidden
-    out["signal_latency"] = _latency(dev, dev, msg, 1, 1, threads=32)          # one warp owns the pair
-    out["signal_latency_shared"] = _latency(dev, dev, msg, 4096, dev.sm_count)  # last-arriver path
-    out["signal_latency_16B"] = _latency(dev, dev, 16, 1, 1, threads=32)        # the ordering alone
+    out["signal_latency"] = signal_latency(dev, dev, msg, 1, 1, threads=32)          # one warp owns the pair
+    out["signal_latency_shared"] = signal_latency(dev, dev, msg, 4096, dev.sm_count)  # last-arriver path
+    out["signal_latency_16B"] = signal_latency(dev, dev, 16, 1, 1, threads=32)        # the ordering alone
     # host overhead: launches from Python with a prebuilt parameter block (a gated send)
     sender = ScatterSend(1, device=dev)
     c = driver.DeviceBuffer(16)
@@ -438,7 +434,7 @@ EPILOGUE_GEOMETRIES = (
 )
 
 
-def _clock_offset(d0, d1, reps: int = 30) -> dict:
+def clock_offset(d0, d1, reps: int = 30) -> dict:
     """p3_pingpong between two GPUs: the one-way flag latency (half the best round trip)
     and GPU1's %globaltimer minus GPU0's at that round trip."""
     from ..cuda.loader import kernel
@@ -576,11 +572,11 @@ def bench_two_gpus(a, rng, torch, out: dict) -> None:
             sd["sender"].close()
             for b in [sd["c"], sd["recv"], sd["counts"], *sd["keep"]]:
                 b.free()
-    clock = _clock_offset(d0, d1)
+    clock = clock_offset(d0, d1)
     res["clock"] = clock
     if "offset_ns" in clock:
-        res["signal_latency"] = _latency(d0, d1, msg, 1, 1, threads=32, clock_offset_ns=clock["offset_ns"])
-        res["signal_latency_16B"] = _latency(d0, d1, 16, 1, 1, threads=32, clock_offset_ns=clock["offset_ns"])
+        res["signal_latency"] = signal_latency(d0, d1, msg, 1, 1, threads=32, clock_offset_ns=clock["offset_ns"])
+        res["signal_latency_16B"] = signal_latency(d0, d1, 16, 1, 1, threads=32, clock_offset_ns=clock["offset_ns"])
     out["two_gpu"] = res
     d0.activate()
 

@@ -1,4 +1,4 @@
-"""The host exchanges of p3send.world without a GPU: spawned processes doing allgather
+"""The host exchanges of p3send.ops.exchange without a GPU: spawned processes doing allgather
 and barrier, peers that exit early or hang (errors naming them, never a hang), and the
 process runner's reports. Every test has a wall-clock bound."""
 from __future__ import annotations
