@@ -13,6 +13,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 mkdir -p "$LOG"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_CACHE_DISABLE=1
+# p3send never uses NVLink multicast (NVLS); keep NCCL, torch and NVSHMEM off it too, so a shared
+# multi-GPU host is not put at risk by the comparisons
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
 SUITE="$LOG/suite.log"

@@ -474,16 +474,20 @@ def main() -> int:
         sender.close()
     # signal latency (one-warp pair, kernels concurrent) of the fence variants
     from p3send.cli import bench
-    orig = loader.kernel
+    from p3send.ops import send as send_ops     # ScatterSend looks its kernel up there
+    orig = send_ops.kernel
     recv_dev = driver.device(1) if a.peer else dev
-    offset = bench.clock_offset(dev, recv_dev)["offset_ns"] if a.peer else 0.0
-    for name in ("baseline",) + (() if a.peer else ("gpu-scope fences",)):
+    clock = bench.clock_offset(dev, recv_dev) if a.peer else {"offset_ns": 0.0}
+    if "offset_ns" not in clock:
+        print(f"latency: no clock offset between the GPUs ({clock.get('error')}); skipped")
+        clock = None
+    for name in ("baseline",) + (() if a.peer else ("gpu-scope fences",)) if clock else ():
         k = loader.load(variants()[name][0], device=dev, name=f"variant {name}")["p3_scatter_send"]
-        loader.kernel = lambda entry, device=None, k=k: k if entry == "p3_scatter_send" else orig(entry, device)
+        send_ops.kernel = lambda entry, device=None, k=k: k if entry == "p3_scatter_send" else orig(entry, device)
         try:
-            lat = bench.signal_latency(dev, recv_dev, msg, 1, 1, threads=32, clock_offset_ns=offset)
+            lat = bench.signal_latency(dev, recv_dev, msg, 1, 1, threads=32, clock_offset_ns=clock["offset_ns"])
         finally:
-            loader.kernel = orig
+            send_ops.kernel = orig
         print(f"latency {name:<24} median {lat['median_us']:.2f} us, min {lat['min_us']:.2f} us")
     for b in keep + [c, rtab, srcb, offs]:
         b.free()

@@ -687,6 +687,8 @@ def table(out: dict) -> str:
 
 def main(args) -> int:
     from .app import check_output_path
+    from .demo import check_world_arguments
+    check_world_arguments(args)            # the shape rules the GPU path applies, before any work
     check_output_path(args.json, "--json")
     ok, why = driver.available()
     if not ok:

@@ -32,10 +32,14 @@ from ..abi.config import (
     Field,
     layout_table,
 )
-from ..abi.errors import ConfigError
+from ..abi.errors import ConfigError, P3SendError
 from ..abi.layout import RANGE_READY_FLAG
 
 STRUCT = "P3PeerSendConfig"
+
+
+class ParseError(P3SendError, ValueError):
+    """A declaration the parser cannot read (turned into a DeclarationError naming the file)."""
 
 
 class DeclarationError(ConfigError):
@@ -166,7 +170,7 @@ def render(fmt: str) -> str:
     renderers = {"table": _render_table, "c": _render_c, "mojo": _render_mojo,
                  "numpy": _render_numpy}
     if fmt not in renderers:
-        raise ValueError(f"render: expected one of table, json, c, mojo, numpy; got {fmt!r}")
+        raise ConfigError([f"format: expected one of table, json, c, mojo, numpy; got {fmt!r}"], "layout")
     return renderers[fmt]()
 
 
@@ -506,7 +510,7 @@ def _c_declarations(body: str, public: bool) -> list[tuple[bool, str]]:
         if body[i] == "{":
             close = _match(body, i)
             if close < 0:
-                raise ValueError("unbalanced braces in the struct body")
+                raise ParseError("unbalanced braces in the struct body")
             head = _access(body[start:i], public)[1]
             rest = _after_parameters(head)
             ctor = rest is not None and _CTOR_INIT.match(rest)
@@ -577,7 +581,7 @@ def _c_member_names(body: str, public: bool = True) -> tuple[list[tuple[str, int
         for decl in declarators:
             decl = _without_initialiser(decl).strip()
             if re.search(r"[^:]:\s*\w+\s*$", decl):
-                raise ValueError(f"bit-field {decl!r}: its layout cannot be checked by offsetof")
+                raise ParseError(f"bit-field {decl!r}: its layout cannot be checked by offsetof")
             fm = re.search(r"\(\s*\*\s*(\w+)\s*\)", decl)
             dm = fm or re.search(r"(\w+)\s*((?:\[[^\]]*\]\s*)*)$", decl)
             if not dm:
@@ -830,9 +834,9 @@ def _mojo_int(s: str, aliases: dict, _depth: int = 0) -> int:
             return node.value
         if isinstance(node, ast.Name):
             if node.id not in aliases:
-                raise ValueError(f"element count {s!r}: {node.id!r} is not a comptime/alias of this file")
+                raise ParseError(f"element count {s!r}: {node.id!r} is not a comptime/alias of this file")
             if _depth > 20:
-                raise ValueError(f"element count {s!r}: the aliases refer to each other in a loop")
+                raise ParseError(f"element count {s!r}: the aliases refer to each other in a loop")
             return _mojo_int(aliases[node.id], aliases, _depth + 1)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
                 and node.func.id in ("Int", "UInt") and len(node.args) == 1 and not node.keywords:
@@ -840,14 +844,14 @@ def _mojo_int(s: str, aliases: dict, _depth: int = 0) -> int:
         if isinstance(node, ast.BinOp) and type(node.op) in _COUNT_OPS:
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.FloorDiv) and right == 0:
-                raise ValueError(f"element count {s!r} divides by zero")
+                raise ParseError(f"element count {s!r} divides by zero")
             return _COUNT_OPS[type(node.op)](left, right)
-        raise ValueError(f"cannot evaluate the element count {s!r} (known: integers, comptime/alias "
+        raise ParseError(f"cannot evaluate the element count {s!r} (known: integers, comptime/alias "
                          "names of this file, Int(...), + - * //)")
     try:
         tree = ast.parse(s.strip(), mode="eval")
     except SyntaxError:
-        raise ValueError(f"cannot evaluate the element count {s!r}") from None
+        raise ParseError(f"cannot evaluate the element count {s!r}") from None
     return value(tree.body)
 
 
@@ -857,7 +861,7 @@ def mojo_type(t: str, aliases: dict | None = None, _depth: int = 0) -> Member:
     t, _ = _split_alias(t.strip())
     m = re.fullmatch(r"([\w.]+)\s*(?:\[(.*)\])?", t, flags=re.DOTALL)
     if not m or _depth > 20:
-        raise ValueError(f"cannot parse the type {t!r}")
+        raise ParseError(f"cannot parse the type {t!r}")
     head, args = m.group(1), _split_args(m.group(2) or "")
     if head in aliases and not args and head not in _MOJO_SCALARS:
         return mojo_type(aliases[head], aliases, _depth + 1)
@@ -874,9 +878,9 @@ def mojo_type(t: str, aliases: dict | None = None, _depth: int = 0) -> Member:
         elem = mojo_type(args[0], aliases, _depth + 1)
         n = _mojo_int(args[1], aliases)
         if n <= 0:
-            raise ValueError(f"element count {args[1]!r} of {t!r} is {n}, not positive")
+            raise ParseError(f"element count {args[1]!r} of {t!r} is {n}, not positive")
         return Member("", 0, elem.size * n, elem.cls, n, elem.size)
-    raise ValueError(f"unknown type {t!r} (known: {_MOJO_KNOWN})")
+    raise ParseError(f"unknown type {t!r} (known: {_MOJO_KNOWN})")
 
 
 def _blank_strings(text: str) -> str:
@@ -984,7 +988,7 @@ def _json_get(obj: dict, key: str, want: str, ok, where: str = "") -> object:
     """``obj[key]`` if ``ok`` accepts it; else ValueError: which key, what it must be, what it is."""
     value = obj.get(key)
     if not ok(value):
-        raise ValueError(f'{where}"{key}" must be {want}, got {json.dumps(value)[:60]}')
+        raise ParseError(f'{where}"{key}" must be {want}, got {json.dumps(value)[:60]}')
     return value
 
 
@@ -995,8 +999,8 @@ def _is_int(low: int):
 def _json_field(f, i: int) -> Member:
     """One ``{"name", "offset", "size", "type"}`` entry, checked; the error says what is wrong."""
     if not isinstance(f, dict):
-        raise TypeError(f'fields[{i}]: expected an object {{"name", "offset", "size", "type"}}, '
-                        f"got {json.dumps(f)[:60]}")
+        raise ParseError(f'fields[{i}]: expected an object {{"name", "offset", "size", "type"}}, '
+                         f"got {json.dumps(f)[:60]}")
     name = _json_get(f, "name", "a non-empty string", lambda v: isinstance(v, str) and v, f"fields[{i}]: ")
     where = f"field {name}: "
     offset = _json_get(f, "offset", "an integer >= 0", _is_int(0), where)
@@ -1007,9 +1011,9 @@ def _json_field(f, i: int) -> Member:
         try:
             t = mojo_type(typ)
         except ValueError:
-            raise ValueError(f"{where}unknown type {typ!r}; expected {_JSON_KNOWN}") from None
+            raise ParseError(f"{where}unknown type {typ!r}; expected {_JSON_KNOWN}") from None
     if t.size != size:
-        raise ValueError(f'{where}type {typ!r} is {t.size} bytes, but "size" says {size}')
+        raise ParseError(f'{where}type {typ!r} is {t.size} bytes, but "size" says {size}')
     return Member(name, offset, size, t.cls, t.count, t.elem)
 
 

@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
 
 #: The CLI option of each shape argument, for messages.
 _OPTION = {"n_ranks": "--ranks", "max_tokens": "--tokens", "hidden": "--hidden", "top_k": "--top-k",
-           "n_local_experts": "--experts"}
+           "n_local_experts": "--experts", "decode_tokens": "--decode-tokens", "gemm_k": "--gemm-k"}
 
 
 def check_world_arguments(a) -> None:
@@ -44,6 +44,13 @@ def check_world_arguments(a) -> None:
                               n_local_experts=a.experts)
     if a.seed is not None and a.seed < 0:
         problems.append(f"seed: expected >= 0, got {a.seed}")
+    for name, low in (("rounds", 1), ("decode_tokens", 1), ("iters", 1), ("warmup", 0)):
+        v = getattr(a, name, None)
+        if v is not None and v < low:
+            problems.append(f"{name}: expected >= {low}, got {v}")
+    k = getattr(a, "gemm_k", None)
+    if k is not None and (k < 64 or k % 64):
+        problems.append(f"gemm_k: expected a positive multiple of 64, got {k}")
     if problems:
         named = [_OPTION.get(p.split(":")[0], "--" + p.split(":")[0]) + ":" + p.split(":", 1)[1] for p in problems]
         raise P3SendError("; ".join(named))
@@ -121,7 +128,7 @@ def main(args) -> int:
         graph = comb.capture()
         start, end = driver.Event(), driver.Event()
         times = []
-        for _ in range(max(1, args.rounds)):
+        for _ in range(args.rounds):
             start.record(comb.origin)
             graph.launch(comb.origin)
             end.record(comb.origin)

@@ -18,7 +18,8 @@ def demo_devices() -> list[int]:
     spec = os.environ.get("P3SEND_DEVICES", "").strip()
     if spec == "all":
         return list(range(n))
-    devs = [int(x) for x in spec.split(",") if x.strip()] if spec else [int(os.environ.get("P3SEND_DEVICE", "0"))]
+    devs = ([driver.env_ordinal("P3SEND_DEVICES", x) for x in spec.split(",") if x.strip()] if spec
+            else [driver.env_ordinal("P3SEND_DEVICE")])
     bad = [d for d in devs if not 0 <= d < n]
     if bad:
         raise ConfigError(f"P3SEND_DEVICES: GPU(s) {bad} do not exist; the driver reports {n}", "P3SEND_DEVICES")
@@ -33,7 +34,7 @@ def demo_procs(args, seed: int) -> int:
         return 2
     devices = demo_devices()
     job = RoundJob(tokens=args.tokens, top_k=args.top_k, n_local=args.experts, hidden=args.hidden, seed=seed,
-                   rounds=1, replays=max(1, args.rounds), fresh_c=False, sync_timeout_s=180.0)
+                   rounds=1, replays=args.rounds, fresh_c=False, sync_timeout_s=180.0)
     placement = [devices[r % len(devices)] for r in range(n)]
     print(f"p3send demo --procs: {n} processes (one per rank), GPUs {placement}; {n} ranks x {args.tokens} tokens, "
           f"top-{args.top_k}, {args.experts} experts/rank, hidden {args.hidden} bf16; seed {seed}")

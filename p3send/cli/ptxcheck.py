@@ -79,9 +79,9 @@ def _providers(path: Path, text: str) -> tuple[list[tuple[str, str]], set[str]]:
     wanted = {d.name for d in declarations(text) if d.extern}
     out, missing = [], set(wanted)
     for other in sorted(path.parent.glob("*.ptx")) if wanted else ():
-        if other.resolve() == path.resolve():
+        if not other.is_file() or other.resolve() == path.resolve():
             continue
-        t = other.read_text()
+        t = read_ptx(other)
         defined = wanted & {d.name for d in declarations(t) if not d.extern}
         if defined:
             out.append((other.name, t))
@@ -487,7 +487,8 @@ def assembly_unit(path: Path, text: str) -> tuple[str, list[str]]:
     inlined). nvJitLink compiles relocatably, so there its callees must fit the caller's
     register budget (65536 / .maxntid) and its call-ABI frames are not what runs.
     Raises ValueError when no sibling defines a prototype."""
-    siblings = [(o.name, o.read_text()) for o in sorted(path.parent.glob("*.ptx")) if o.resolve() != path.resolve()]
+    siblings = [(o.name, read_ptx(o)) for o in sorted(path.parent.glob("*.ptx"))
+                if o.is_file() and o.resolve() != path.resolve()]
     whole = ptxdoc.module_text(text, siblings)
     m = re.search(r"\.maxntid\s+(\d+)", whole)
     opts = [f"-maxrregcount={min(255, 65536 // int(m.group(1)) // 8 * 8)}"] if whole is not text and m else []

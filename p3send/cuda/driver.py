@@ -173,10 +173,22 @@ def ensure_current(dev: Device) -> None:
         dev.activate()
 
 
+def env_ordinal(var: str, text: str | None = None) -> int:
+    """A GPU ordinal from environment variable ``var`` (default 0); ConfigError if it is none."""
+    text = os.environ.get(var, "0") if text is None else text
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ConfigError([f"{var}: expected a GPU ordinal (an integer >= 0), got {text!r}"], "environment") from None
+    if value < 0:
+        raise ConfigError([f"{var}: expected a GPU ordinal (an integer >= 0), got {text!r}"], "environment")
+    return value
+
+
 def device(ordinal: int | None = None) -> Device:
     """The Device for ``ordinal`` (default: $P3SEND_DEVICE or 0), created once, made current."""
     if ordinal is None:
-        ordinal = int(os.environ.get("P3SEND_DEVICE", "0"))
+        ordinal = env_ordinal("P3SEND_DEVICE")
     dev = _devices.get(ordinal)
     if dev is None:
         dev = _devices[ordinal] = Device(ordinal)

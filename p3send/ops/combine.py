@@ -62,6 +62,14 @@ def rank_buffers(alloc, *, n_ranks: int, n_local: int, max_tokens: int, top_k: i
                        weights=mine(4 * pairs, 0), out=mine(max(max_tokens, 1) * msg, 0))
 
 
+def own_inputs(what: str, bufs) -> None:
+    """Refuse an upload into inputs the caller owns (bound with ``bind``, or never
+    allocated with ``inputs=False``): the caller writes into those in place."""
+    if not all(isinstance(b, driver.DeviceBuffer) for b in bufs):
+        raise ConfigError([f"{what}: the inputs are the caller's arrays (bind(), or inputs=False); write into "
+                           "them in place instead of uploading"])
+
+
 def rank_inputs(what: str, *, c, expert_offsets, range_table, src_info, topk_idx, weights, hidden: int,
                 top_k: int, n_local: int, n_ranks: int, max_rows: int, max_tokens: int) -> dict:
     """Check one rank's inputs (numpy) and return them ready to upload: {'c': uint16 (rows,
@@ -225,6 +233,8 @@ class Combine:
                         src_info=src_info, topk_idx=topk_idx, weights=weights, hidden=self.hidden,
                         top_k=self.top_k, n_local=self.n_local, n_ranks=self.n_ranks, max_rows=self.max_rows,
                         max_tokens=self.max_tokens)
+        own_inputs(f"Combine.set_rank({r})", (self.c[r], self.offs[r], self.rtab[r], self.src_info[r],
+                                              self.topk_idx[r], self.weights[r]))
         self.c[r].upload(a["c"])
         self.offs[r].upload(a["offs"])
         self.rtab[r].upload(a["rtab"])
@@ -242,6 +252,7 @@ class Combine:
 
     def refill_c(self, r: int, c) -> None:
         """Replace rank r's C values in place (same routing), e.g. between graph replays."""
+        own_inputs(f"Combine.refill_c({r})", (self.c[r],))
         self.c[r].upload(np.ascontiguousarray(c).view(np.uint16))
 
     def bind(self, r: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights, out) -> None:

@@ -41,7 +41,8 @@ from ..abi.config import rank_config, shape_problems
 from ..abi.errors import ArrivalTimeout, ConfigError, P3SendError
 from ..abi.layout import recv_buf_bytes
 from ..cuda import driver
-from .combine import GUARD, arrival_status, bound_inputs, device_ptr_or_none, rank_buffers, rank_inputs
+from .combine import (GUARD, arrival_status, bound_inputs, device_ptr_or_none, own_inputs, rank_buffers,
+                      rank_inputs)
 from .recv import RecvReduce
 from .send import ScatterSend
 
@@ -199,6 +200,8 @@ class Rank:
                         src_info=src_info, topk_idx=topk_idx, weights=weights, hidden=self.hidden,
                         top_k=self.top_k, n_local=self.n_local, n_ranks=self.n_ranks, max_rows=self.max_rows,
                         max_tokens=self.max_tokens)
+        own_inputs(f"Rank {self.rank}.set_inputs", (self.c, self.offs, self.rtab, self.src_info, self.topk_idx,
+                                                    self.weights))
         for buf, key in ((self.c, "c"), (self.offs, "offs"), (self.rtab, "rtab"), (self.src_info, "src_info"),
                          (self.topk_idx, "topk_idx"), (self.weights, "weights")):
             buf.upload(a[key])
@@ -228,6 +231,7 @@ class Rank:
 
     def refill_c(self, c) -> None:
         """New C values, same routing (between rounds or graph replays). c: bf16 bits (rows, hidden)."""
+        own_inputs(f"Rank {self.rank}.refill_c", (self.c,))
         self.c.upload(np.ascontiguousarray(c).view(np.uint16))
 
     # ------------------------------------------------------------ the round

@@ -73,7 +73,7 @@ class _Sender:
     def __call__(self, *args, stream=None, **kw) -> None:
         """prepare(*args, **kw) and launch; synchronous when no stream is given."""
         blk = self.prepare(*args, **kw)
-        s = stream or driver.Stream()
+        s = driver.Stream() if stream is None else stream
         self.launch(s, blk)
         if stream is None:
             s.synchronize()

@@ -7,7 +7,7 @@
 - the fused launch (send on) through the common harness ``run_send``: receive buffers
   (sentinel + guards), counts, row cache and diagnostics byte-identical to the oracle of
   that same C, which ``p3_scatter_send`` matches on the same case (also checked here);
-- every edge family of p3send.cases (empty experts, one row, skewed, tile edges +-1, bad
+- every edge family of p3send.oracle.cases (empty experts, one row, skewed, tile edges +-1, bad
   src_info, rank folding, ...), both tile heights, launched twice (self-resetting state);
 - the route of docs/EMBEDDING.md (c): the same PTX linked with p3_send_rows.ptx by the
   driver's linker (cuLink) gives the same bytes;
