@@ -187,9 +187,15 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
     res["d2d_copy"] = timer.run(lambda i: driver.memcpy_dtod(dsts[i % sets].ptr, cs[i % sets].ptr, nbytes, s),
                                 a.iters, a.warmup)
     from .peers import time_peers   # the fair peers; bench-only code
+    # the scatter ceiling's destinations: row r -> its rank's receive buffer, slot (src_idx, src_topk)
+    slot = (src[:, 0].astype(np.uint64) * np.uint64(a.top_k) + src[:, 1].astype(np.uint64)) * np.uint64(msg)
+    row_dsts = [driver.DeviceBuffer.from_array(np.array([b.ptr for b in recvs[i]], np.uint64)[dst] + slot)
+                for i in range(sets)]
     found, peers_skipped = time_peers(timer, sends, (dsts, cs, nbytes), n_experts=a.experts, dev=dev,
-                                      iters=a.iters, warmup=a.warmup)
+                                      iters=a.iters, warmup=a.warmup, rows=(row_dsts, cs, rows, msg))
     res.update(found)
+    for b in row_dsts:
+        b.free()
     for d in dsts:
         d.free()
     if torch is not None:

@@ -472,6 +472,24 @@ class SMCopy:
         prepared(stream)
 
 
+class RowsCopy(SMCopy):
+    """The scatter ceiling: ``p3peer_rows``, the CUDA C++ peer's CTA shape copying every row
+    of C to its precomputed destination (``row_dst[r]``, u64 on the device): no routing, no
+    bounds check, no signal. What no kernel writing the same slots from the same rows beats."""
+
+    def __init__(self, *, device: driver.Device | None = None, threads: int = 256, vpt: int = 1):
+        super().__init__(device=device, threads=threads, vpt=vpt)
+        mod, _ = _cuda_module(self.dev.ordinal, f"sm_{self.dev.cc[0]}{self.dev.cc[1]}", threads, vpt)
+        self.func = driver.get_function(mod, "p3peer_rows")
+
+    def prepare(self, row_dst, c, rows: int, msg_bytes: int) -> Launch:
+        chunks, cta_vecs, block = _tile(msg_bytes // 16, self.threads, self.vpt)
+        return Launch(self.func, "p3peer_rows", rows * chunks, block, 0,
+                      [ctypes.c_uint64(driver.device_ptr(row_dst, "row_dst")), ctypes.c_uint64(driver.device_ptr(c, "c")),
+                       ctypes.c_uint64(msg_bytes), ctypes.c_int32(msg_bytes // 16), ctypes.c_int32(chunks),
+                       ctypes.c_int32(cta_vecs)])
+
+
 # ---------------------------------------------------------------- Triton
 
 if triton is not None:
@@ -610,10 +628,11 @@ class TritonScatter(_ScatterPeer):
 TRITON_VARIANTS = ((256, 4), (256, 1), (256, 2), (128, 4), (512, 2), (128, 8))
 CUDA_VARIANTS = ((256, 2), (256, 1), (256, 4), (128, 4), (512, 2))
 COPY_VARIANTS = ((256, 1), (256, 2), (256, 4), (128, 2), (512, 1), (256, 1, 1))
+ROWS_VARIANTS = ((256, 1), (256, 2), (256, 4), (128, 8))
 
 
 def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: int, warmup: int,
-               variants: bool = True) -> tuple[dict, dict]:
+               variants: bool = True, rows: tuple | None = None) -> tuple[dict, dict]:
     """Time the peers next to a bench section's own rows, on the section's buffers.
 
     sends: per rotated input set, a dict of ScatterSend.prepare's arguments (cfg, c,
@@ -623,7 +642,8 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
     reports its fastest. Returns (rows, skipped): rows {"Triton scatter peer" | "CUDA C++
     scatter peer" | "SM copy ceiling": the Timer's result + "config" (the fastest variant, in
     words), "variant" (its tuple) and "variants" (every variant's median)}, skipped {row
-    name: reason}."""
+    name: reason}. rows: (row_dsts, cs, n_rows, msg_bytes), one row_dst table per set, adds
+    the "scatter ceiling" row (RowsCopy)."""
     rows, skipped = {}, {}
     dsts, srcs, nbytes = copy
 
@@ -639,6 +659,11 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
          scatter, len(sends)),
         ("SM copy ceiling", COPY_VARIANTS, lambda t, v, h=0: SMCopy(device=dev, threads=t, vpt=v, hint=h),
          lambda peer, i: peer.prepare(dsts[i], srcs[i], nbytes), len(dsts)))
+    if rows is not None:
+        row_dsts, cs, n_rows, msg = rows
+        contestants += (("scatter ceiling (destinations precomputed)", ROWS_VARIANTS,
+                         lambda t, v: RowsCopy(device=dev, threads=t, vpt=v),
+                         lambda peer, i: peer.prepare(row_dsts[i], cs[i], n_rows, msg), len(row_dsts)),)
     for label, vs, make, prepare, n_sets in contestants:
         per = {}
         for v in vs[: None if variants else 1]:
