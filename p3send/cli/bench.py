@@ -192,7 +192,7 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
     row_dsts = [driver.DeviceBuffer.from_array(np.array([b.ptr for b in recvs[i]], np.uint64)[dst] + slot)
                 for i in range(sets)]
     found, peers_skipped = time_peers(timer, sends, (dsts, cs, nbytes), n_experts=a.experts, dev=dev,
-                                      iters=a.iters, warmup=a.warmup, rows=(row_dsts, cs, rows, msg))
+                                      iters=a.iters, warmup=a.warmup, ceiling=(row_dsts, cs, rows, msg))
     res.update(found)
     for b in row_dsts:
         b.free()

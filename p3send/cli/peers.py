@@ -632,7 +632,7 @@ ROWS_VARIANTS = ((256, 1), (256, 2), (256, 4), (128, 8))
 
 
 def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: int, warmup: int,
-               variants: bool = True, rows: tuple | None = None) -> tuple[dict, dict]:
+               variants: bool = True, ceiling: tuple | None = None) -> tuple[dict, dict]:
     """Time the peers next to a bench section's own rows, on the section's buffers.
 
     sends: per rotated input set, a dict of ScatterSend.prepare's arguments (cfg, c,
@@ -642,7 +642,7 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
     reports its fastest. Returns (rows, skipped): rows {"Triton scatter peer" | "CUDA C++
     scatter peer" | "SM copy ceiling": the Timer's result + "config" (the fastest variant, in
     words), "variant" (its tuple) and "variants" (every variant's median)}, skipped {row
-    name: reason}. rows: (row_dsts, cs, n_rows, msg_bytes), one row_dst table per set, adds
+    name: reason}. ceiling: (row_dsts, cs, n_rows, msg_bytes), one row_dst table per set, adds
     the "scatter ceiling" row (RowsCopy)."""
     rows, skipped = {}, {}
     dsts, srcs, nbytes = copy
@@ -659,8 +659,8 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
          scatter, len(sends)),
         ("SM copy ceiling", COPY_VARIANTS, lambda t, v, h=0: SMCopy(device=dev, threads=t, vpt=v, hint=h),
          lambda peer, i: peer.prepare(dsts[i], srcs[i], nbytes), len(dsts)))
-    if rows is not None:
-        row_dsts, cs, n_rows, msg = rows
+    if ceiling is not None:
+        row_dsts, cs, n_rows, msg = ceiling
         contestants += (("scatter ceiling (destinations precomputed)", ROWS_VARIANTS,
                          lambda t, v: RowsCopy(device=dev, threads=t, vpt=v),
                          lambda peer, i: peer.prepare(row_dsts[i], cs[i], n_rows, msg), len(row_dsts)),)
