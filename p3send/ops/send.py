@@ -107,8 +107,8 @@ class ScatterSend(_Sender):
     THREADS = 1024
     #: cp.async staging per thread: 2 chunks x 6 vectors x 16 B (1024 threads: 192 KiB, one CTA per SM).
     SMEM_PER_THREAD = 2 * 6 * 16
-    #: the tile launch: CTAs of TILE_THREADS threads, TILE_VECTORS (<= 8) vectors per thread
     FLAG_TILE = FLAG_TILE
+    #: the tile launch: CTAs of TILE_THREADS threads, TILE_VECTORS (<= 8) vectors per thread
     TILE_THREADS = 128
     TILE_VECTORS = 8
 
@@ -218,7 +218,6 @@ class ScatterSend(_Sender):
                                        n_experts=self.n_experts, flags=flags, p3_control=int(p3_control))
         blk.launch_shape = shape
         return blk
-
 
 
 class EpilogueSend(_Sender):
