@@ -316,6 +316,21 @@ DONE:
 """
 
 
+def _tile_signal(scope: str | None, skip: str, width: str, reg: str, total: str) -> str:
+    """A tile's end as the send signals: bar.sync, thread 0's fence at ``scope`` and one
+    counter atomic (the last tile resets the counter); empty without a scope."""
+    add = "add.s64" if width == "u64" else "add.u32"
+    return "" if not scope else f"""    bar.sync 0;
+    setp.ne.u32 %p, %r3, 0;
+    @%p bra {skip};
+    fence.acq_rel.{scope};
+    atom.relaxed.gpu.global.add.{width} {reg}, [%rd10], 1;
+    {add} {reg}, {reg}, 1;
+    setp.eq.{width} %p, {reg}, {total};
+    @%p st.relaxed.gpu.global.{width} [%rd10], 0;
+"""
+
+
 # Copy shapes (issue 15): the driver-like tile grid (CTA c copies the contiguous tile of
 # ntid*V vectors c, c+G, ...; with G = tiles each CTA copies one tile and exits), and a
 # persistent grid whose CTAs claim tiles in order from an atomic counter (dynamic
@@ -333,15 +348,7 @@ def tile_ptx(v: int, scope: str | None) -> str:
     mad.lo.u64 %rd9, %rd8, 16, %rd1;
     @%q{j} st.global.v4.u32 [%rd9], {{%a{4*j}, %a{4*j+1}, %a{4*j+2}, %a{4*j+3}}};
 """ for j in range(v))
-    signal = "" if not scope else f"""    bar.sync 0;
-    setp.ne.u32 %p, %r3, 0;
-    @%p bra NEXT;
-    fence.acq_rel.{scope};
-    atom.relaxed.gpu.global.add.u64 %rd12, [%rd10], 1;
-    add.s64 %rd12, %rd12, 1;
-    setp.eq.u64 %p, %rd12, %rd11;
-    @%p st.relaxed.gpu.global.u64 [%rd10], 0;
-"""
+    signal = _tile_signal(scope, "NEXT", "u64", "%rd12", "%rd11")
     return f"""
 .version 8.0
 .target sm_90
@@ -474,15 +481,7 @@ def scatter_ptx(v: int, scope: str | None) -> str:
     mad.wide.u32 %rd9, %r7, 16, %rd{20 + j};
     @%q{j} st.global.v4.u32 [%rd9], {{%a{4*j}, %a{4*j+1}, %a{4*j+2}, %a{4*j+3}}};
 """ for j in range(v))
-    signal = "" if not scope else f"""    bar.sync 0;
-    setp.ne.u32 %p, %r3, 0;
-    @%p bra DONE;
-    fence.acq_rel.{scope};
-    atom.relaxed.gpu.global.add.u32 %r21, [%rd10], 1;
-    add.u32 %r21, %r21, 1;
-    setp.eq.u32 %p, %r21, %r4;
-    @%p st.relaxed.gpu.global.u32 [%rd10], 0;
-"""
+    signal = _tile_signal(scope, "DONE", "u32", "%r21", "%r4")
     return f"""
 .version 8.0
 .target sm_90
