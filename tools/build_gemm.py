@@ -49,7 +49,7 @@ HEADER = """\
 // while the consumers run the next tile's mainloop. Rows past an expert's end are computed
 // and masked. Send off (ctx.p3_control < 0 or cfg.n_ranks == 0): 16-byte stores of the valid
 // rows into C. Send on: p3_send_rows by each send warp (warp_rank 0..2 of 3, its own
-// P3SendAcct; p3_send_flush when the warp's tiles move to another expert and at the end; an
+// P3SendAcct; p3_send_flush right after the warp's last tile of each expert; an
 // expert with no rows is flushed empty by send warp 0 of CTA e % grid): the receive buffers
 // and counts then hold exactly what p3_scatter_send writes from that C, and C is not written.
 // PARAMS
@@ -78,10 +78,16 @@ HEADER = """\
 """
 
 
-def build(nvcc: str = "nvcc") -> str:
+def build(nvcc: str = "nvcc", source: str | None = None) -> str:
+    """The shipped text, from ptx/cuda/p3_gemm_send.cu (or ``source``, another version of it)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "p3_gemm_send.ptx"
-        cmd = [nvcc, *NVCC_FLAGS, "-I", str(ROOT / "ptx"), str(SRC), "-o", str(out)]
+        src, inc = SRC, ["-I", str(ROOT / "ptx")]
+        if source is not None:   # its relative includes still resolve from ptx/cuda
+            src = Path(tmp) / SRC.name
+            src.write_text(source)
+            inc += ["-I", str(SRC.parent)]
+        cmd = [nvcc, *NVCC_FLAGS, *inc, str(src), "-o", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr}")

@@ -5,7 +5,9 @@ Variants are the shipped PTX with one change each; not shipped.
     python3 tools/send_variants.py                       # prefill shape, 8 ranks on one GPU
     python3 tools/send_variants.py --peer --tokens 128    # decode shape, GPU 0 -> GPU 1
     python3 tools/send_variants.py --epilogue             # p3_epilogue_send variants, prefill shape
-    python3 tools/send_variants.py --decode               # one-GPU decode round: SM shares"""
+    python3 tools/send_variants.py --decode               # one-GPU decode round: SM shares
+    python3 tools/send_variants.py --tokens 128 --sets 8  # decode-size send, C rotated past L2
+    python3 tools/send_variants.py --decode --recv-ptx F  # the round with another p3_recv_reduce"""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +29,13 @@ ROWS = (loader.ptx_dir() / "p3_send_rows.ptx").read_text()
 def variants():
     v = {"baseline": (BASE, {"tile": True})}    # the launcher's default shape
     v["tile, no signal"] = (BASE, {"tile": True, "signal": False})
+    # what the tile path's signal costs, part by part (wrong counts: timing only)
+    tile_at = BASE.index("\nTILE:\n")
+    head, tail = BASE[:tile_at], BASE[tile_at:]
+    fence = "    @%gpu_scope fence.acq_rel.gpu;\n    @!%gpu_scope fence.acq_rel.sys;\n"
+    v["tile, signal without the CTA fence (timing only)"] = (head + tail.replace(fence, "", 1), {"tile": True})
+    v["tile, the CTA fence only, no counter (timing only)"] = (
+        head + tail.replace("TILE_EXPERT:\n", "    bra.uni             TILE_NEXT;\nTILE_EXPERT:\n", 1), {"tile": True})
     for thr, vec in ((128, 4), (128, 2), (256, 4), (256, 8), (256, 2), (64, 8), (512, 2), (128, 1)):
         v[f"tile {vec} vec/thr x {thr}"] = (BASE, {"tile": True, "tile_threads": thr, "TILE_VECTORS": vec})
     v["tile 4 vec/thr x 256, no signal"] = (BASE, {"tile": True, "tile_threads": 256, "TILE_VECTORS": 4,
@@ -285,7 +294,7 @@ def run_epilogue(a, dev) -> None:
     import torch
     from p3send.cli.bench import EPILOGUE_GEOMETRIES
     rng = np.random.default_rng(1)
-    hidden, top_k, ranks, experts = 7168, 8, 8, 32
+    hidden, top_k, ranks, experts = 7168, 8, a.ranks, 32
     rows, msg = a.tokens * top_k, 2 * hidden
     off, table, src, _ = prefill_routing(a.tokens, ranks, top_k, experts, rng)
     acc = torch.randn((rows, hidden), dtype=torch.float32, device="cuda")
@@ -344,12 +353,16 @@ def run_decode(a, dev) -> None:
     from p3send.ops.combine import Combine
     from p3send.oracle.cases import world_case
     world = world_case(n_ranks=8, tokens=128, top_k=8, n_local=32, hidden=7168, seed=1)
-    for share, recv_ctas in ((None, None), (dev.sm_count // 4, None), (dev.sm_count, None),
-                             (None, 4 * dev.sm_count), (dev.sm_count, 4 * dev.sm_count)):
+    n = dev.sm_count
+    for share, recv_ctas in ((None, None), (n // 4, None), (n, None), (n, n // 8), (n, n // 4), (n, n),
+                             (None, 4 * n), (n, 4 * n)):
         comb = Combine(8, max_tokens=128, top_k=8, hidden=7168, n_local_experts=32, device=dev,
                        stamps=False, num_sms=share)
         for r in comb.receivers:
             r.max_ctas = recv_ctas or r.max_ctas
+            if a.recv_ptx:   # another version of p3_recv_reduce.ptx
+                r.k = loader.load(a.recv_ptx, device=dev)["p3_recv_reduce"]
+                r.block = r.k.params_block()
         comb.load_world(world)
         for r, snd in enumerate(comb.senders):   # the rows known on the host: the tile grid's size
             snd.tile_launch = True
@@ -374,10 +387,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (rows = tokens x 8)")
     ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--ranks", type=int, default=8, help="receiving ranks (one buffer each, on this GPU)")
+    ap.add_argument("--sets", type=int, default=1, help="copies of C read in turn (8 x 14.7 MB leaves L2)")
     ap.add_argument("--peer", action="store_true",
                     help="send from GPU 0 into GPU 1 (every row remote) against cuMemcpyPeerAsync")
     ap.add_argument("--epilogue", action="store_true", help="p3_epilogue_send variants")
     ap.add_argument("--decode", action="store_true", help="one-GPU decode round: SM shares")
+    ap.add_argument("--recv-ptx", default=None, help="with --decode: this version of p3_recv_reduce.ptx")
     ap.add_argument("--variant", action="append", default=[], help="only variants naming this (and the baseline)")
     ap.add_argument("--ptx", action="append", default=[], metavar="NAME=FILE",
                     help="also time FILE, another version of p3_scatter_send.ptx, as variant NAME")
@@ -392,9 +408,10 @@ def main() -> int:
         run_decode(a, dev)
         return 0
     rng = np.random.default_rng(1)
-    hidden, top_k, ranks, experts = 7168, 8, 8, 32
+    hidden, top_k, ranks, experts = 7168, 8, a.ranks, 32
     msg, rows = 2 * hidden, a.tokens * top_k
-    c = random_bytes(rows * msg, rng)
+    # --sets N: N copies of C, launch i reading copy i mod N (as the bench rotates its inputs past L2)
+    cs = [random_bytes(rows * msg, rng) for _ in range(a.sets)]
     keep = []
     if a.peer:
         peer = driver.device(1)
@@ -426,12 +443,13 @@ def main() -> int:
     timer = Timer(s)
     if a.peer:
         ref_name = "cuMemcpyPeerAsync"
-        ref = timer.run(lambda i: driver.memcpy_peer(far[0].ptr, peer, c.ptr, dev, rows * msg, s),
+        ref = timer.run(lambda i: driver.memcpy_peer(far[0].ptr, peer, cs[i % a.sets].ptr, dev, rows * msg, s),
                         a.iters, 5)["median_us"]
     else:
         ref_name = "d2d copy"
         dst = driver.DeviceBuffer(rows * msg)
-        ref = timer.run(lambda i: driver.memcpy_dtod(dst.ptr, c.ptr, rows * msg, s), a.iters, 5)["median_us"]
+        ref = timer.run(lambda i: driver.memcpy_dtod(dst.ptr, cs[i % a.sets].ptr, rows * msg, s), a.iters,
+                        5)["median_us"]
     print(f"{rows} rows x {msg} B{' GPU0 -> GPU1' if a.peer else ''}: {ref_name} {ref:.1f} us")
     todo = variants()
     for spec in a.ptx:
@@ -456,9 +474,10 @@ def main() -> int:
         for attr in ("tile_threads", "TILE_VECTORS"):
             if attr in opt:
                 setattr(sender, attr, opt[attr])
-        blk = sender.prepare(cfg, c, offs, expert_offsets_host=off, rows_in_c=rows,
-                             count_ptrs=counts if opt.get("signal", True) else None,
-                             into=sender.k.params_block())
+        blks = [sender.prepare(cfg, cc, offs, expert_offsets_host=off, rows_in_c=rows,
+                               count_ptrs=counts if opt.get("signal", True) else None,
+                               into=sender.k.params_block()) for cc in cs]
+        blk = blks[0]
         # variants with their own grid (the persistent kernel's shapes); tile variants keep
         # the launcher's tile launch
         if not opt.get("tile") or any(k in opt for k in ("grid_mult", "grid_div", "grid_rows", "grid")):
@@ -466,8 +485,9 @@ def main() -> int:
             if "grid_rows" in opt:
                 grid = min(65535, max(1, rows // opt["grid_rows"]))
             grid = opt.get("grid", grid)
-            blk.launch_shape = (grid, threads, sender.smem)
-        t = timer.run(lambda i: sender.launch(s, blk), a.iters, 5)
+            for b in blks:
+                b.launch_shape = (grid, threads, sender.smem)
+        t = timer.run(lambda i: sender.launch(s, blks[i % a.sets]), a.iters, 5)
         g, thr, sm = blk.launch_shape or (sender.grid, sender.threads, sender.smem)
         print(f"{name:<24} {t['median_us']:8.1f} us  {t['median_us'] / ref:.3f}x {ref_name}  "
               f"(min {t['min_us']:.1f}, regs {sender.k.num_regs}, grid {g} x {thr}, smem {sm})")
@@ -489,7 +509,7 @@ def main() -> int:
         finally:
             send_ops.kernel = orig
         print(f"latency {name:<24} median {lat['median_us']:.2f} us, min {lat['min_us']:.2f} us")
-    for b in keep + [c, rtab, srcb, offs]:
+    for b in keep + cs + [rtab, srcb, offs]:
         b.free()
     return 0
 

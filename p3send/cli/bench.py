@@ -173,17 +173,19 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
 
     res = {"p3_scatter_send": timer.run(send, a.iters, a.warmup)}
     # Diagnostic: the same kernel and bytes with identity routing (row r -> slot r of one
-    # buffer, in order) separates the cost of the scatter pattern from the kernel's own.
-    ident_recv = driver.DeviceBuffer(nbytes, fill=0xAB)
+    # buffer, in order) separates the cost of the scatter pattern from the kernel's own. It
+    # reads and writes the copy's buffers (rotated alike: neither stays in L2).
+    dsts = [driver.DeviceBuffer(nbytes) for _ in range(sets)]
     ident_tab = driver.DeviceBuffer.from_array(encode_range_table(off, np.diff(off).reshape(-1, 1)))
     ident_src = driver.DeviceBuffer.from_array(np.stack([np.arange(rows) // a.top_k, np.arange(rows) % a.top_k],
                                                         1).astype(np.int32))
-    icfg = rank_config(n_ranks=1, recv_bufs=[ident_recv], top_k=a.top_k, msg_bytes=msg, max_tokens=tokens,
-                       range_table=ident_tab, src_info=ident_src)
-    iblk = sender.prepare(icfg, cs[0], offs, expert_offsets_host=off, count_ptrs=counts[:1], rows_in_c=rows,
-                          same_gpu=True, into=sender.k.params_block())
-    res["send_identity_routing"] = timer.run(lambda i: sender.launch(s, iblk), a.iters, a.warmup)
-    dsts = [driver.DeviceBuffer(nbytes) for _ in range(sets)]
+    iblks = []
+    for i in range(sets):
+        icfg = rank_config(n_ranks=1, recv_bufs=[dsts[i]], top_k=a.top_k, msg_bytes=msg, max_tokens=tokens,
+                           range_table=ident_tab, src_info=ident_src)
+        iblks.append(sender.prepare(icfg, cs[i], offs, expert_offsets_host=off, count_ptrs=counts[:1],
+                                    rows_in_c=rows, same_gpu=True, into=sender.k.params_block()))
+    res["send_identity_routing"] = timer.run(lambda i: sender.launch(s, iblks[i % sets]), a.iters, a.warmup)
     res["d2d_copy"] = timer.run(lambda i: driver.memcpy_dtod(dsts[i % sets].ptr, cs[i % sets].ptr, nbytes, s),
                                 a.iters, a.warmup)
     from .peers import time_peers   # the fair peers; bench-only code
@@ -230,7 +232,7 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
         sender.set_num_sms(None)
         sec["budget"] = curve
     sender.close()
-    for b in cs + [x for r in recvs for x in r] + counts + [rtab, srcb, offs, ident_recv, ident_tab, ident_src]:
+    for b in cs + [x for r in recvs for x in r] + counts + [rtab, srcb, offs, ident_tab, ident_src]:
         b.free()
     return sec
 

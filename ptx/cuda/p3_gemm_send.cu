@@ -25,8 +25,9 @@
 // tile's valid rows and arrive on `freed`, which the consumers wait for before staging the
 // next tile. Send off (ctx->p3_control < 0 or cfg.n_ranks == 0): 16-byte stores of the
 // rows into C. Send on: each send warp calls p3_send_rows for its rows (warp_rank 0..2 of
-// n_warps = 3) with its own P3SendAcct, flushing when its tiles move to another expert and
-// once at the end; an expert with no rows is flushed empty by send warp 0 of CTA e % grid,
+// n_warps = 3) with its own P3SendAcct, flushing right after its last tile of each expert
+// (while the consumers run the next tile, so the CTA's last tile is followed by one flush
+// only); an expert with no rows is flushed empty by send warp 0 of CTA e % grid,
 // so its count 0 is published once. The send's bytes and counts are those of
 // p3_scatter_send over the same C (docs/EMBEDDING.md (c)).
 #include <stdint.h>
@@ -221,7 +222,7 @@ __device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane
 __device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, const P3SendCtx *ctx, uint8_t *c_ptr,
                                           uint64_t c_row_stride, uint32_t base, int warp_rank, int lane,
                                           int total, int n_tiles, int n_experts, int bm, bool send,
-                                          const int *offs)
+                                          const int *offs, uint64_t src_info)
 {
     const int *mp = reinterpret_cast<const int *>(smem + P3G_OFF_MPRE);
     P3SendAcct *acct = reinterpret_cast<P3SendAcct *>(smem + P3G_OFF_ACCT) + warp_rank;
@@ -237,17 +238,15 @@ __device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, const P3S
             p3_send_flush(cfg, ctx, acct);
         }
     }
-    int held = -1;
     uint32_t i = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = tile_at(t, n_tiles, n_experts, mp, offs, bm);
+        if (send && lane * 16 < T.rows + 16) {      // the tile's src_info lines into L1 while the
+            const int r = min(T.m0 + lane * 16, T.m0 + T.rows - 1);     // consumers finish it
+            asm volatile("prefetch.global.L1 [%0];" :: "l"(src_info + 8ull * r) : "memory");
+        }
         mbar_wait(staged, i & 1);
         if (send) {
-            if (held != T.e) {
-                if (held >= 0)
-                    p3_send_flush(cfg, ctx, acct);
-                held = T.e;
-            }
             p3_send_rows(cfg, ctx, acct, stg, P3G_STG_PITCH, T.m0, T.rows, 2u * T.n0, 2 * P3G_BN, T.e, warp_rank,
                          P3G_SEND_WARPS);
         } else {
@@ -264,9 +263,13 @@ __device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, const P3S
         __syncwarp();
         if (lane == 0)
             mbar_arrive(freed);
+        // the expert's last tile in this CTA: flush now (while the consumers run the next
+        // tile), not when the next staged tile shows another expert; so the last tile's
+        // send is followed by one flush only
+        if (send && (t + (int)gridDim.x >= total ||
+                     tile_at(t + gridDim.x, n_tiles, n_experts, mp, offs, bm).e != T.e))
+            p3_send_flush(cfg, ctx, acct);
     }
-    if (send && held >= 0)
-        p3_send_flush(cfg, ctx, acct);
 }
 
 extern "C" __global__ void __launch_bounds__(P3G_THREADS, 1)
@@ -341,10 +344,12 @@ p3_gemm_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx,
         }
     } else if (warp <= P3G_SEND_WARPS) {
         int64_t n_ranks;                            // cfg.n_ranks, loaded as [cfg+88] (tools/build_gemm.py names it)
+        uint64_t src_info;                          // cfg.src_info_ptr, [cfg+8]
         asm("ld.param.s64 %0, [p3_gemm_send_param_0+88];" : "=l"(n_ranks));
+        asm("ld.param.u64 %0, [p3_gemm_send_param_0+8];" : "=l"(src_info));
         const bool send = ctx->p3_control >= 0 && n_ranks != 0;        // else the plain GEMM writes C
         send_warp(&cfg, ctx, c_ptr, c_row_stride, base, warp - 1, lane, total, n_tiles, n_experts, (int)bm, send,
-                  offs);
+                  offs, src_info);
     } else {
         const int wg = warp / 4 - 1, wq = warp % 4;
         if (bm == 128)

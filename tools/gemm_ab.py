@@ -1,0 +1,95 @@
+"""Maintainer experiment: the shipped p3_gemm_send against other versions of it (e.g. an
+earlier commit's PTX), gated and fused, timed in turns in one run, at the decode and the
+prefill shapes; checks first that every version's fused launch writes the same bytes and
+counts. Prints each version's fused / gated.
+
+    git show REV:ptx/p3_gemm_send.ptx > /tmp/old.ptx
+    PYTHONPATH=. python3 tools/gemm_ab.py --ptx old=/tmp/old.ptx [--ptx NAME=GEMM.ptx,ROWS.ptx]
+
+A version is NAME=FILE (p3_gemm_send.ptx text; the shipped p3_send_rows.ptx is appended)
+or NAME=FILE,ROWS (with that p3_send_rows.ptx instead).
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from p3send.abi.config import rank_config
+from p3send.cli.bench import Timer, prefill_routing
+from p3send.cuda import driver, loader, ptxdoc
+from p3send.ops.gemm import GroupedGemmSend
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ptx", action="append", default=[], metavar="NAME=FILE[,ROWS]")
+    ap.add_argument("--rounds", type=int, default=40, help="rounds of 4 launches per contender (decode)")
+    ap.add_argument("--seed", type=int, default=5)
+    a = ap.parse_args()
+    import torch
+    dev = driver.device()
+    rng = np.random.default_rng(a.seed)
+    print(f"[seed] {a.seed}")
+    E, N, K, ranks, top_k = 32, 7168, 2048, 8, 8
+    shipped = loader.ptx_dir()
+    others = [(p.name, p.read_text()) for p in sorted(shipped.glob("*.ptx"))
+              if p.name not in ("p3_gemm_send.ptx", "p3_send_rows.ptx")]
+    rows_text = (shipped / "p3_send_rows.ptx").read_text()
+    versions = {"shipped": ((shipped / "p3_gemm_send.ptx").read_text(), rows_text)}
+    for spec in a.ptx:
+        name, _, files = spec.partition("=")
+        gemm_file, _, rows_file = files.partition(",")
+        versions[name] = (open(gemm_file).read(), open(rows_file).read() if rows_file else rows_text)
+    for tokens, bm, rounds in ((128, 64, a.rounds), (4096, 128, max(4, a.rounds // 6))):
+        off, table, src, _ = prefill_routing(tokens, ranks, top_k, E, rng)
+        rows, msg = tokens * top_k, 2 * N
+        s = driver.Stream()
+        x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(E, N, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
+        c = torch.empty((rows, N), device="cuda", dtype=torch.bfloat16)
+        bufs = [driver.DeviceBuffer.from_array(v) for v in (table, src, off)]
+        rtab, srcb, offs = bufs
+        recv = [driver.DeviceBuffer(rows * msg, fill=0xAB) for _ in range(ranks)]
+        counts = [driver.DeviceBuffer(8 * E * ranks, fill=0xFF) for _ in range(ranks)]
+        cfg = rank_config(n_ranks=ranks, recv_bufs=recv, top_k=top_k, msg_bytes=msg, max_tokens=tokens,
+                          range_table=rtab, src_info=srcb)
+        torch.cuda.synchronize()
+        fns, gems, written = {}, [], {}
+        for name, (gemm_text, rtext) in versions.items():
+            g = GroupedGemmSend(E, device=dev)
+            gems.append(g)
+            if name != "shipped":
+                g.k = loader.load(ptxdoc.module_text(gemm_text, others + [("p3_send_rows.ptx", rtext)]),
+                                  device=dev, name=name)["p3_gemm_send"]
+                driver.set_max_dynamic_smem(g.k.func, g.smem)
+            common = dict(expert_offsets_host=off, rows=rows, n_cols=N, k_dim=K, bm=bm)
+            gated = g.prepare(cfg, x, w, offs, c, into=g.k.params_block(), **common)
+            fused = g.prepare(cfg, x, w, offs, count_ptrs=[b.ptr for b in counts], p3_control=0, same_gpu=True,
+                              into=g.k.params_block(), **common)
+            fns[f"{name} gated"] = lambda i, g=g, b=gated: g.launch(s, b)
+            fns[f"{name} fused"] = lambda i, g=g, b=fused: g.launch(s, b)
+            for buf in recv:
+                buf.fill(0xAB)
+            for buf in counts:
+                buf.fill(0xFF)
+            fns[f"{name} fused"](0)
+            s.synchronize()
+            written[name] = [buf.download().tobytes() for buf in recv + counts]
+        same = all(v == written["shipped"] for v in written.values())
+        print(f"{rows} rows (bm {bm}): every version's fused launch writes the same bytes and counts: {same}")
+        res = Timer(s).interleaved(fns, rounds=rounds, per_round=4, warmup=3)
+        for k, v in res.items():
+            print(f"   {k:<28} {v['median_us']:8.1f} us  (min {v['min_us']:.1f})")
+        for name in versions:
+            ratio = res[f"{name} fused"]["median_us"] / res[f"{name} gated"]["median_us"]
+            print(f"   {name}: fused / gated {ratio:.3f}")
+        for g in gems:
+            g.close()
+        for buf in recv + counts + bufs:
+            buf.free()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
