@@ -12,6 +12,7 @@ or NAME=FILE,ROWS (with that p3_send_rows.ptx instead).
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -19,6 +20,32 @@ from p3send.abi.config import rank_config
 from p3send.cli.bench import Timer, prefill_routing
 from p3send.cuda import driver, loader, ptxdoc
 from p3send.ops.gemm import GroupedGemmSend
+
+
+E, N, K, RANKS, TOP_K = 32, 7168, 2048, 8, 8      # the bench's MoE down-projection
+
+
+def problem(torch, rng, tokens: int) -> SimpleNamespace:
+    """One rank's GEMM + send at ``tokens`` tokens: routing, bf16 X and W (E, N, K), C, 8
+    receive buffers (sentinel-filled) and counts on this GPU, the send's cfg. ``free()``
+    releases the device buffers."""
+    off, table, src, _ = prefill_routing(tokens, RANKS, TOP_K, E, rng)
+    rows = tokens * TOP_K
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(E, N, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
+    c = torch.empty((rows, N), device="cuda", dtype=torch.bfloat16)
+    bufs = [driver.DeviceBuffer.from_array(v) for v in (table, src, off)]
+    recv = [driver.DeviceBuffer(rows * 2 * N, fill=0xAB) for _ in range(RANKS)]
+    counts = [driver.DeviceBuffer(8 * E * RANKS, fill=0xFF) for _ in range(RANKS)]
+    cfg = rank_config(n_ranks=RANKS, recv_bufs=recv, top_k=TOP_K, msg_bytes=2 * N, max_tokens=tokens,
+                      range_table=bufs[0], src_info=bufs[1])
+    torch.cuda.synchronize()
+
+    def free():
+        for b in recv + counts + bufs:
+            b.free()
+    return SimpleNamespace(off=off, rows=rows, x=x, w=w, c=c, offs=bufs[2], recv=recv, counts=counts, cfg=cfg,
+                           free=free)
 
 
 def main() -> int:
@@ -31,7 +58,6 @@ def main() -> int:
     dev = driver.device()
     rng = np.random.default_rng(a.seed)
     print(f"[seed] {a.seed}")
-    E, N, K, ranks, top_k = 32, 7168, 2048, 8, 8
     shipped = loader.ptx_dir()
     others = [(p.name, p.read_text()) for p in sorted(shipped.glob("*.ptx"))
               if p.name not in ("p3_gemm_send.ptx", "p3_send_rows.ptx")]
@@ -42,19 +68,8 @@ def main() -> int:
         gemm_file, _, rows_file = files.partition(",")
         versions[name] = (open(gemm_file).read(), open(rows_file).read() if rows_file else rows_text)
     for tokens, bm, rounds in ((128, 64, a.rounds), (4096, 128, max(4, a.rounds // 6))):
-        off, table, src, _ = prefill_routing(tokens, ranks, top_k, E, rng)
-        rows, msg = tokens * top_k, 2 * N
+        P = problem(torch, rng, tokens)
         s = driver.Stream()
-        x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(E, N, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
-        c = torch.empty((rows, N), device="cuda", dtype=torch.bfloat16)
-        bufs = [driver.DeviceBuffer.from_array(v) for v in (table, src, off)]
-        rtab, srcb, offs = bufs
-        recv = [driver.DeviceBuffer(rows * msg, fill=0xAB) for _ in range(ranks)]
-        counts = [driver.DeviceBuffer(8 * E * ranks, fill=0xFF) for _ in range(ranks)]
-        cfg = rank_config(n_ranks=ranks, recv_bufs=recv, top_k=top_k, msg_bytes=msg, max_tokens=tokens,
-                          range_table=rtab, src_info=srcb)
-        torch.cuda.synchronize()
         fns, gems, written = {}, [], {}
         for name, (gemm_text, rtext) in versions.items():
             g = GroupedGemmSend(E, device=dev)
@@ -63,21 +78,21 @@ def main() -> int:
                 g.k = loader.load(ptxdoc.module_text(gemm_text, others + [("p3_send_rows.ptx", rtext)]),
                                   device=dev, name=name)["p3_gemm_send"]
                 driver.set_max_dynamic_smem(g.k.func, g.smem)
-            common = dict(expert_offsets_host=off, rows=rows, n_cols=N, k_dim=K, bm=bm)
-            gated = g.prepare(cfg, x, w, offs, c, into=g.k.params_block(), **common)
-            fused = g.prepare(cfg, x, w, offs, count_ptrs=[b.ptr for b in counts], p3_control=0, same_gpu=True,
-                              into=g.k.params_block(), **common)
+            common = dict(expert_offsets_host=P.off, rows=P.rows, n_cols=N, k_dim=K, bm=bm)
+            gated = g.prepare(P.cfg, P.x, P.w, P.offs, P.c, into=g.k.params_block(), **common)
+            fused = g.prepare(P.cfg, P.x, P.w, P.offs, count_ptrs=[b.ptr for b in P.counts], p3_control=0,
+                              same_gpu=True, into=g.k.params_block(), **common)
             fns[f"{name} gated"] = lambda i, g=g, b=gated: g.launch(s, b)
             fns[f"{name} fused"] = lambda i, g=g, b=fused: g.launch(s, b)
-            for buf in recv:
+            for buf in P.recv:
                 buf.fill(0xAB)
-            for buf in counts:
+            for buf in P.counts:
                 buf.fill(0xFF)
             fns[f"{name} fused"](0)
             s.synchronize()
-            written[name] = [buf.download().tobytes() for buf in recv + counts]
+            written[name] = [buf.download().tobytes() for buf in P.recv + P.counts]
         same = all(v == written["shipped"] for v in written.values())
-        print(f"{rows} rows (bm {bm}): every version's fused launch writes the same bytes and counts: {same}")
+        print(f"{P.rows} rows (bm {bm}): every version's fused launch writes the same bytes and counts: {same}")
         res = Timer(s).interleaved(fns, rounds=rounds, per_round=4, warmup=3)
         for k, v in res.items():
             print(f"   {k:<28} {v['median_us']:8.1f} us  (min {v['min_us']:.1f})")
@@ -86,8 +101,7 @@ def main() -> int:
             print(f"   {name}: fused / gated {ratio:.3f}")
         for g in gems:
             g.close()
-        for buf in recv + counts + bufs:
-            buf.free()
+        P.free()
     return 0
 
 

@@ -25,9 +25,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import build_gemm  # noqa: E402
+from gemm_ab import E, K, N, problem  # noqa: E402
 
-from p3send.abi.config import rank_config  # noqa: E402
-from p3send.cli.bench import prefill_routing  # noqa: E402
 from p3send.cuda import driver, loader, ptxdoc  # noqa: E402
 from p3send.ops.gemm import GroupedGemmSend  # noqa: E402
 
@@ -116,32 +115,22 @@ def main() -> int:
     import torch
     dev = driver.device()
     rng = np.random.default_rng(7)
-    E, N, K, ranks, top_k = 32, 7168, 2048, 8, 8
-    off, table, src, _ = prefill_routing(a.tokens, ranks, top_k, E, rng)
-    rows, msg = a.tokens * top_k, 2 * N
+    P = problem(torch, rng, a.tokens)
     others = [(p.name, p.read_text()) for p in sorted(loader.ptx_dir().glob("*.ptx"))
               if p.name not in ("p3_gemm_send.ptx", "p3_send_rows.ptx")]
     module = ptxdoc.module_text(stamped_gemm(), others + [("p3_send_rows.ptx", stamped_rows())])
     s = driver.Stream()
-    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(E, N, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
-    c = torch.empty((rows, N), device="cuda", dtype=torch.bfloat16)
-    bufs = [driver.DeviceBuffer.from_array(v) for v in (table, src, off)]
-    rtab, srcb, offs = bufs
-    recv = [driver.DeviceBuffer(rows * msg, fill=0xAB) for _ in range(ranks)]
-    counts = [driver.DeviceBuffer(8 * E * ranks, fill=0xFF) for _ in range(ranks)]
     g = GroupedGemmSend(E, device=dev)
     stamps = driver.DeviceBuffer(8 * 16 * g.grid, fill=0)
-    cfg = rank_config(n_ranks=ranks, recv_bufs=recv, top_k=top_k, msg_bytes=msg, max_tokens=a.tokens,
-                      range_table=rtab, src_info=srcb)
+    cfg = P.cfg
     cfg.trace_ptr = stamps.ptr
     g.k = loader.load(module, device=dev, name="p3_gemm_send (stamped)")["p3_gemm_send"]
     driver.set_max_dynamic_smem(g.k.func, g.smem)
-    common = dict(expert_offsets_host=off, rows=rows, n_cols=N, k_dim=K)
-    blocks = {"gated": g.prepare(cfg, x, w, offs, c, into=g.k.params_block(), **common),
-              "fused": g.prepare(cfg, x, w, offs, count_ptrs=[b.ptr for b in counts], p3_control=0,
+    common = dict(expert_offsets_host=P.off, rows=P.rows, n_cols=N, k_dim=K)
+    blocks = {"gated": g.prepare(cfg, P.x, P.w, P.offs, P.c, into=g.k.params_block(), **common),
+              "fused": g.prepare(cfg, P.x, P.w, P.offs, count_ptrs=[b.ptr for b in P.counts], p3_control=0,
                                  same_gpu=True, into=g.k.params_block(), **common),
-              "fused, no signal": g.prepare(cfg, x, w, offs, p3_control=0, same_gpu=True,
+              "fused, no signal": g.prepare(cfg, P.x, P.w, P.offs, p3_control=0, same_gpu=True,
                                             into=g.k.params_block(), **common)}
     res = {k: [] for k in blocks}
     for it in range(a.launches + 3):
@@ -160,13 +149,13 @@ def main() -> int:
                 r.update({f"rows {p}": float(np.median(ph[:, i])) for i, p in enumerate(ROWS_PHASES)})
                 r["flush"] = float(np.median(gm[:, 3] - gm[:, 2])) / 1e3
             res[name].append(r)
-    print(f"p3_gemm_send timeline, {rows} rows over {E} experts, K={K}, N={N}, median of {a.launches} launches "
+    print(f"p3_gemm_send timeline, {P.rows} rows over {E} experts, K={K}, N={N}, median of {a.launches} launches "
           f"(us; rows/flush: medians over CTAs of the last call)")
     for name, v in res.items():
         print(f"  {name:<18}" + "  ".join(f"{q} {np.median([r[q] for r in v]):.2f}" for q in v[0]))
     g.close()
-    for b in recv + counts + bufs + [stamps]:
-        b.free()
+    stamps.free()
+    P.free()
     return 0
 
 
