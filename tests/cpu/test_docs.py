@@ -359,3 +359,29 @@ def test_a_send_cta_leaves_no_room_for_a_receive_cta():
     assert alloc(send) * 1024 + alloc(recv) * 256 > 65536, (
         f"send {send} and receive {recv} registers per thread: a receive CTA now fits beside a send "
         f"CTA; update docs/PROTOCOL.md, 'Scheduling on one GPU'")
+
+
+def test_the_epilogue_send_keeps_four_ctas_per_sm():
+    # p3send launches p3_epilogue_send with 3 warps (2 epilogue + 1 send) per CTA by default;
+    # four of them fit an SM's 64 K registers only at <= 168 registers per thread (allocated in
+    # units of 8). The inlined p3_send_rows decides most of it: a 2-row copy there took the
+    # module to 170-172 registers and the send from 374.6 to 480.8 us (docs/PERF.md, decisions).
+    # The module is assembled as the driver compiles it: whole-program, by the system ptxas.
+    import inspect
+    import shutil
+
+    from p3send.cli import ptxcheck
+    from p3send.ops.send import EpilogueSend
+
+    if shutil.which("ptxas") is None:
+        pytest.skip("needs ptxas (the CUDA toolkit) to compile the module whole-program")
+    path = PTX_DIR / "p3_epilogue_send.ptx"
+    whole, _ = ptxcheck.assembly_unit(path, path.read_text())
+    r = ptxcheck.assemble_ptxas(whole, path.name, "sm_90")
+    assert not r.error, r.error
+    regs = next(f.regs for f in r.functions if f.name == "p3_epilogue_send")
+    defaults = inspect.signature(EpilogueSend.__init__).parameters
+    threads = 32 * (defaults["epilogue_warps"].default + defaults["send_warps"].default)
+    assert 4 * threads * (-(-regs // 8) * 8) <= 65536, (
+        f"p3_epilogue_send with p3_send_rows inlined uses {regs} registers per thread: four CTAs of "
+        f"{threads} threads no longer fit an SM (docs/PERF.md)")
