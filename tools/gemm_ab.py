@@ -12,6 +12,7 @@ or NAME=FILE,ROWS (with that p3_send_rows.ptx instead).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -54,10 +55,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=40, help="rounds of 4 launches per contender (decode)")
     ap.add_argument("--seed", type=int, default=5)
     a = ap.parse_args()
-    import torch
-    dev = driver.device()
-    rng = np.random.default_rng(a.seed)
-    print(f"[seed] {a.seed}")
     shipped = loader.ptx_dir()
     others = [(p.name, p.read_text()) for p in sorted(shipped.glob("*.ptx"))
               if p.name not in ("p3_gemm_send.ptx", "p3_send_rows.ptx")]
@@ -66,7 +63,15 @@ def main() -> int:
     for spec in a.ptx:
         name, _, files = spec.partition("=")
         gemm_file, _, rows_file = files.partition(",")
-        versions[name] = (open(gemm_file).read(), open(rows_file).read() if rows_file else rows_text)
+        missing = [f for f in (gemm_file, rows_file) if f and not Path(f).is_file()]
+        if not name or not gemm_file or name in versions or missing:
+            ap.error(f"--ptx {spec!r}: expected NAME=FILE[,ROWS] with a new NAME and existing files"
+                     + (f" (no file {', '.join(missing)})" if missing else ""))
+        versions[name] = (Path(gemm_file).read_text(), Path(rows_file).read_text() if rows_file else rows_text)
+    import torch
+    dev = driver.device()
+    rng = np.random.default_rng(a.seed)
+    print(f"[seed] {a.seed}")
     for tokens, bm, rounds in ((128, 64, a.rounds), (4096, 128, max(4, a.rounds // 6))):
         P = problem(torch, rng, tokens)
         s = driver.Stream()
