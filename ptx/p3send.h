@@ -151,10 +151,16 @@ typedef struct P3SendCtx {
 } P3SendCtx;
 
 /* One per warp (shared or global memory), used by that warp only. Initialise to
- * expert = -1 and zeros before the warp's first call; p3_send_flush resets it. */
+ * expert = -1 and zeros before the warp's first call; p3_send_flush resets it.
+ * ready: 0, or set before a p3_send_rows call whose tile is still being staged: the
+ * 32-bit .shared address of an mbarrier (8-byte aligned) | P3_READY | the parity of the
+ * phase that completes when the tile is staged. That call checks and resolves its rows
+ * first, waits for the phase (acquire) before reading the tile, and on every return the
+ * phase has completed; it resets ready to 0. */
+#define P3_READY 2
 typedef struct P3SendAcct {
     int32_t  expert;                       /*   0  local expert held, -1: none */
-    uint32_t pad;                          /*   4  0 */
+    uint32_t ready;                        /*   4  0, or mbarrier | P3_READY | parity */
     uint64_t units;                        /*   8  16-byte vectors handled for expert */
     uint32_t pair[P3_MAX_RANKS];           /*  16  rows stored to p2p rank p */
 } P3SendAcct;
@@ -177,7 +183,7 @@ P3_STATIC_ASSERT(sizeof(P3SendCtx) == P3_SEND_CTX_SIZE, "P3SendCtx must be 104 b
 P3_STATIC_ASSERT(P3_ALIGNOF(P3SendCtx) == 8, "P3SendCtx must align to 8");
 
 P3_ASSERT_MEMBER(P3SendAcct, expert, 0, 4);
-P3_ASSERT_MEMBER(P3SendAcct, pad, 4, 4);
+P3_ASSERT_MEMBER(P3SendAcct, ready, 4, 4);
 P3_ASSERT_MEMBER(P3SendAcct, units, 8, 8);
 P3_ASSERT_MEMBER(P3SendAcct, pair, 16, 32);
 P3_STATIC_ASSERT(sizeof(P3SendAcct) == P3_SEND_ACCT_SIZE, "P3SendAcct must be 48 bytes");

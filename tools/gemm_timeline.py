@@ -3,9 +3,11 @@ instrumented copy of the kernel (nvcc, from ptx/cuda/p3_gemm_send.cu with %globa
 added in memory; nothing shipped changes) and of p3_send_rows, then prints per launch, as
 medians over the launches (us from the first CTA's start):
 
-    main   the last CTA to have its last tile staged by the consumers (the mainloop's end)
+    main   the last CTA to have its last tile staged by the consumers (the mainloop's end:
+           gated, send warp 0's wait for it; fused, the end of that wait in p3_send_rows)
     tail   kernel end (the last send warp done, its flush included) - main
     and, fused, inside the last p3_send_rows call of each CTA's send warp 0: its phases
+    (checks, acct, resolve and the wait for the tile run before it is staged)
 
 for the gated GEMM (C written), the fused GEMM and the fused GEMM without the signal.
 The stamps go to cfg.trace_ptr (trace_on stays 0: the kernels' own trace is off).
@@ -32,8 +34,8 @@ from p3send.ops.gemm import GroupedGemmSend  # noqa: E402
 
 NOW = '({ uint64_t g_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_)); g_; })'
 TRACE = 'asm("ld.param.u64 %0, [p3_gemm_send_param_0+160];" : "=l"(tp_));'   # cfg.trace_ptr
-# p3_send_rows: entry .. CHECKED .. ACCT_SET .. RESOLVED (the last batch) .. ACCOUNT
-ROWS_PHASES = ("checks", "acct", "resolve", "copy")
+# p3_send_rows: entry .. CHECKED .. ACCT_SET .. RESOLVED .. COPY (the tile is there) .. ACCOUNT
+ROWS_PHASES = ("checks", "acct", "resolve", "wait", "copy rows 0-3", "copy rest")
 
 
 def _edit(text: str, pairs) -> str:
@@ -45,20 +47,24 @@ def _edit(text: str, pairs) -> str:
 
 
 def stamped_gemm() -> str:
-    """The kernel with stamps u64[8*cta + k]: 0 before and 1 after the wait for the CTA's last
-    staged tile (send warp 0), 2 after its send or C stores, 3 after the flush, 4 CTA start."""
+    """The kernel with stamps u64[8*cta + k] of the CTA's last tile (send warp 0): 0 before
+    p3_send_rows or the wait for the staged tile, 1 after that wait (gated), 2 after its send
+    or C stores, 3 after the flush, 4 CTA start."""
     src = build_gemm.SRC.read_text()
     src = _edit(src, [
-        ("""        mbar_wait(staged, i & 1);
+        ("""        const Tile T = tile_at(t, n_tiles, n_experts, mp, offs, bm);
         if (send) {""",
-         f"""        uint64_t tp_;
+         f"""        const Tile T = tile_at(t, n_tiles, n_experts, mp, offs, bm);
+        uint64_t tp_;
         {TRACE}
         uint64_t *st_ = warp_rank == 0 && lane == 0 && t + (int)gridDim.x >= total ?
                         reinterpret_cast<uint64_t *>(tp_) + 8 * blockIdx.x : nullptr;
         if (st_) st_[0] = {NOW};
-        mbar_wait(staged, i & 1);
-        if (st_) st_[1] = {NOW};
         if (send) {{"""),
+        ("""            mbar_wait(staged, i & 1);
+""", """            mbar_wait(staged, i & 1);
+            if (st_) st_[1] = {NOW};
+""".replace("{NOW}", NOW)),
         ("""        __syncwarp();
         if (lane == 0)
             mbar_arrive(freed);""",
@@ -82,7 +88,8 @@ def stamped_gemm() -> str:
 
 def stamped_rows() -> str:
     """p3_send_rows with stamps u64[8*(grid + cta) + k] by warp_rank 0, lane 0 (the last call
-    of the launch stays): 0 entry, 1 CHECKED, 2 ACCT_SET, 3 RESOLVED (last batch), 4 ACCOUNT."""
+    of the launch stays): 0 entry, 1 CHECKED, 2 ACCT_SET, 3 RESOLVED, 4 COPY (the tile is
+    there), 5 ACCOUNT (the last batch's, where a call has several), 6 the first four rows copied."""
     text = (loader.ptx_dir() / "p3_send_rows.ptx").read_text()
     f0 = text.index(".visible .func p3_send_rows(")
     f1 = text.index("RET:", f0)
@@ -90,8 +97,9 @@ def stamped_rows() -> str:
     def stamp(k):
         return f"    mov.u64             %dbgt, %globaltimer;\n    @%dbgq st.global.u64 [%dbgp+{8 * k}], %dbgt;\n"
     body = _edit(text[f0:f1], [
-        ("    .reg .b32   %rlo, %rhi, %vpeer, %dst;\n",
-         "    .reg .b32   %rlo, %rhi, %vpeer, %dst;\n    .reg .b64   %dbgp, %dbgt;\n    .reg .pred  %dbgq;\n"),
+        ("    .reg .b32   %rlo, %rhi, %vpeer, %dst, %rbar;\n",
+         "    .reg .b32   %rlo, %rhi, %vpeer, %dst, %rbar;\n"
+         "    .reg .b64   %dbgp, %dbgt;\n    .reg .pred  %dbgq, %dbgr;\n"),
         ("    bar.warp.sync       0xffffffff;                 // acct writes of earlier calls, by any lane\n",
          "    ld.u64              %dbgp, [%cfgp+160];\n"
          "    mov.u32             %t1, %ctaid.x;\n    mov.u32             %t2, %nctaid.x;\n"
@@ -102,7 +110,11 @@ def stamped_rows() -> str:
         ("CHECKED:\n", "CHECKED:\n" + stamp(1)),
         ("ACCT_SET:\n", "ACCT_SET:\n" + stamp(2)),
         ("RESOLVED:\n", "RESOLVED:\n" + stamp(3)),
-        ("ACCOUNT:\n", "ACCOUNT:\n" + stamp(4)),
+        ("COPY:\n", "COPY:\n" + stamp(4)),
+        ("ACCOUNT:\n", "ACCOUNT:\n" + stamp(5)),
+        ("    add.u32             %i, %i, 4;\n", "    setp.eq.u32         %dbgr, %i, 0;\n"
+         "    and.pred            %dbgr, %dbgr, %dbgq;\n    mov.u64             %dbgt, %globaltimer;\n"
+         "    @%dbgr st.global.u64 [%dbgp+48], %dbgt;\n    add.u32             %i, %i, 4;\n"),
     ])
     return text[:f0] + body + text[f1:]
 
@@ -143,9 +155,10 @@ def main() -> int:
                 continue
             gm, rw = st[0], st[1]
             t0 = gm[:, 4].min()
-            r = {"main": (gm[:, 1].max() - t0) / 1e3, "tail": (gm[:, 3].max() - gm[:, 1].max()) / 1e3}
+            staged = gm[:, 1] if name == "gated" else rw[:, 4]
+            r = {"main": (staged.max() - t0) / 1e3, "tail": (gm[:, 3].max() - staged.max()) / 1e3}
             if name != "gated":
-                ph = np.diff(rw[:, :5], axis=1) / 1e3
+                ph = np.diff(rw[:, [0, 1, 2, 3, 4, 6, 5]], axis=1) / 1e3
                 r.update({f"rows {p}": float(np.median(ph[:, i])) for i, p in enumerate(ROWS_PHASES)})
                 r["flush"] = float(np.median(gm[:, 3] - gm[:, 2])) / 1e3
             res[name].append(r)

@@ -184,7 +184,7 @@ class P3SendCtx(ctypes.LittleEndianStructure):
 
 
 #: Bytes of a P3SendAcct (per-warp accounting of the send functions), initialised to
-#: expert = -1 and zeros: s32 expert, pad, u64 units, u32 pair[8].
+#: expert = -1 and zeros: s32 expert, u32 ready, u64 units, u32 pair[8].
 P3_SEND_ACCT_SIZE = 48
 
 

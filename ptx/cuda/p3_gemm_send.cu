@@ -25,7 +25,9 @@
 // tile's valid rows and arrive on `freed`, which the consumers wait for before staging the
 // next tile. Send off (ctx->p3_control < 0 or cfg.n_ranks == 0): 16-byte stores of the
 // rows into C. Send on: each send warp calls p3_send_rows for its rows (warp_rank 0..2 of
-// n_warps = 3) with its own P3SendAcct, flushing right after its last tile of each expert
+// n_warps = 3) with its own P3SendAcct before the tile is staged, `staged` in acct.ready
+// (the rows are checked and resolved while the consumers finish the tile; the call waits
+// for it before reading the tile), flushing right after its last tile of each expert
 // (while the consumers run the next tile, so the CTA's last tile is followed by one flush
 // only); an expert with no rows is flushed empty by send warp 0 of CTA e % grid,
 // so its count 0 is published once. The send's bytes and counts are those of
@@ -222,7 +224,7 @@ __device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane
 __device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, const P3SendCtx *ctx, uint8_t *c_ptr,
                                           uint64_t c_row_stride, uint32_t base, int warp_rank, int lane,
                                           int total, int n_tiles, int n_experts, int bm, bool send,
-                                          const int *offs, uint64_t src_info)
+                                          const int *offs)
 {
     const int *mp = reinterpret_cast<const int *>(smem + P3G_OFF_MPRE);
     P3SendAcct *acct = reinterpret_cast<P3SendAcct *>(smem + P3G_OFF_ACCT) + warp_rank;
@@ -241,15 +243,15 @@ __device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, const P3S
     uint32_t i = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = tile_at(t, n_tiles, n_experts, mp, offs, bm);
-        if (send && lane * 16 < T.rows + 16) {      // the tile's src_info lines into L1 while the
-            const int r = min(T.m0 + lane * 16, T.m0 + T.rows - 1);     // consumers finish it
-            asm volatile("prefetch.global.L1 [%0];" :: "l"(src_info + 8ull * r) : "memory");
-        }
-        mbar_wait(staged, i & 1);
         if (send) {
+            // called before the tile is staged: p3_send_rows checks and resolves the rows
+            // while the consumers finish the tile, then waits on `staged` (acct.ready)
+            if (lane == 0)
+                acct->ready = staged | P3_READY | (i & 1);
             p3_send_rows(cfg, ctx, acct, stg, P3G_STG_PITCH, T.m0, T.rows, 2u * T.n0, 2 * P3G_BN, T.e, warp_rank,
                          P3G_SEND_WARPS);
         } else {
+            mbar_wait(staged, i & 1);
             for (int r = warp_rank; r < T.rows; r += P3G_SEND_WARPS) {
                 uint32_t v0, v1, v2, v3;
                 asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -311,7 +313,7 @@ p3_gemm_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx,
         P3SendAcct *a = reinterpret_cast<P3SendAcct *>(smem + P3G_OFF_ACCT) + (warp - 1);
         if (lane == 0) {
             a->expert = -1;
-            a->pad = 0;
+            a->ready = 0;
             a->units = 0;
         }
         if (lane < P3_MAX_RANKS)
@@ -344,12 +346,10 @@ p3_gemm_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx,
         }
     } else if (warp <= P3G_SEND_WARPS) {
         int64_t n_ranks;                            // cfg.n_ranks, loaded as [cfg+88] (tools/build_gemm.py names it)
-        uint64_t src_info;                          // cfg.src_info_ptr, [cfg+8]
         asm("ld.param.s64 %0, [p3_gemm_send_param_0+88];" : "=l"(n_ranks));
-        asm("ld.param.u64 %0, [p3_gemm_send_param_0+8];" : "=l"(src_info));
         const bool send = ctx->p3_control >= 0 && n_ranks != 0;        // else the plain GEMM writes C
         send_warp(&cfg, ctx, c_ptr, c_row_stride, base, warp - 1, lane, total, n_tiles, n_experts, (int)bm, send,
-                  offs, src_info);
+                  offs);
     } else {
         const int wg = warp / 4 - 1, wq = warp % 4;
         if (bm == 128)

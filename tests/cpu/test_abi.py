@@ -274,9 +274,7 @@ def test_send_acct_ptx_and_c_agree():
     layout = c_layout(HEADER, "P3SendAcct")
     assert (layout.size, layout.align) == (abi.P3_SEND_ACCT_SIZE, 8) == (48, 8)
     members = [(m.name, m.offset, m.size) for m in layout.members]
-    assert ("pad", 4, 4) in members             # the named padding
-    assert [m for m in members if m[0] != "pad"] == _ptx_send_acct() == [
-        ("expert", 0, 4), ("units", 8, 8), ("pair", 16, 32)]
+    assert members == _ptx_send_acct() == [("expert", 0, 4), ("ready", 4, 4), ("units", 8, 8), ("pair", 16, 32)]
     assert {m.name: m.cls for m in layout.members}["expert"] == "int"       # -1: none
 
 

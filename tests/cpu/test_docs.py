@@ -192,7 +192,7 @@ def test_send_ctx_table_matches_ctypes(section):
 def test_send_acct_table_covers_its_size(section):
     from p3send.abi.config import P3_SEND_ACCT_SIZE
     rows = _struct_table(section, "expert")
-    assert [r[3] for r in rows] == ["expert", "pad", "units", "pair"]
+    assert [r[3] for r in rows] == ["expert", "ready", "units", "pair"]
     ends = [int(r[0]) + int(r[1]) for r in rows]
     assert [int(r[0]) for r in rows[1:]] == ends[:-1] and ends[-1] == P3_SEND_ACCT_SIZE, rows
 
