@@ -331,6 +331,11 @@ class DeviceBuffer:
                 call("cuMemcpyHtoDAsync", self.ptr + offset, arr.ctypes.data, arr.nbytes, stream.handle)
             if stream is not None:
                 stream.synchronize()  # the host array may go away; keep uploads simple and safe
+            else:
+                # From pageable memory cuMemcpyHtoD may return before its DMA has landed, and the
+                # non-blocking streams the kernels run in do not wait for the legacy stream: wait
+                # here (as fill does), or the next launch can read the old bytes.
+                call("cuCtxSynchronize")
 
     def download(self, dtype=np.uint8, shape=None, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         dtype = np.dtype(dtype)
