@@ -36,6 +36,8 @@ def variants():
     v["tile, signal without the CTA fence (timing only)"] = (head + tail.replace(fence, "", 1), {"tile": True})
     v["tile, the CTA fence only, no counter (timing only)"] = (
         head + tail.replace("TILE_EXPERT:\n", "    bra.uni             TILE_NEXT;\nTILE_EXPERT:\n", 1), {"tile": True})
+    v["tile, pair counts read with the done RMW"] = (head + speculative_pairs(tail), {"tile": True})
+    v["tile, range table's second round loaded at kernel start"] = (second_round_early(BASE), {"tile": True})
     for thr, vec in ((128, 4), (128, 2), (256, 4), (256, 8), (256, 2), (64, 8), (512, 2), (128, 1)):
         v[f"tile {vec} vec/thr x {thr}"] = (BASE, {"tile": True, "tile_threads": thr, "TILE_VECTORS": vec})
     v["tile 4 vec/thr x 256, no signal"] = (BASE, {"tile": True, "tile_threads": 256, "TILE_VECTORS": 4,
@@ -113,6 +115,54 @@ def variants():
         v[f"many CTAs: rows/{k} x {threads}, no signal"] = (chunk_only, {"threads": threads, "grid_rows": k,
                                                                         "signal": False})
     return v
+
+
+def speculative_pairs(tile: str) -> str:
+    """The tile path's last arriver without its pair-count round trip: every CTA reads the
+    pair counts (ld.relaxed) together with its RMW on done[e]; the last arriver publishes
+    them when they sum to the expert's rows (all rows counted: each count is final; reset
+    with plain stores), else swaps them as the shipped kernel does. Not shipped: no faster."""
+    atom = "    atom.relaxed.gpu.global.add.u64 %u3, [%u2], %units;\n"
+    pairs = """    mul.wide.u32        %u1, %nexp, 8;
+    add.s64             %u1, %kst, %u1;
+    mad.wide.u32        %u1, %e, 32, %u1;           // &pair[e][0]
+"""
+    swap = "    setp.lt.u32         %pp0, 0, %np;\n    @%pp0 atom.relaxed.gpu.global.exch.b32 %c0, [%u1+0], 0;\n"
+    for s in (atom, pairs, swap, "    @%pp7 atom.relaxed.gpu.global.exch.b32 %c7, [%u1+28], 0;\n"):
+        assert tile.count(s) == 1, s
+    r8 = range(8)
+    early = (pairs + "".join(f"    setp.lt.u32         %pp{k}, {k}, %np;\n    mov.u32             %c{k}, 0;\n"
+                             f"    @%pp{k} ld.relaxed.gpu.global.u32 %c{k}, [%u1+{4 * k}];\n" for k in r8))
+    tile = tile.replace(pairs, "").replace(atom, early + atom)
+    check = ("    add.u32             %t4, %c0, %c1;\n"
+             + "".join(f"    add.u32             %t4, %t4, %c{k};\n" for k in range(2, 8))
+             + "    mul.wide.u32        %u3, %t4, %nv;\n    setp.ne.s64         %q0, %u3, %u4;\n"
+             + "    @%q0 bra            TILE_PAIRS_SWAP;\n"
+             + "".join(f"    @%pp{k} st.relaxed.gpu.global.u32 [%u1+{4 * k}], 0;\n" for k in r8)
+             + "    bra.uni             TILE_PAIRS_READ;\nTILE_PAIRS_SWAP:\n")
+    last = "    @%pp7 atom.relaxed.gpu.global.exch.b32 %c7, [%u1+28], 0;\n"
+    return tile.replace(swap, check + swap).replace(last, last + "TILE_PAIRS_READ:\n")
+
+
+def second_round_early(text: str) -> str:
+    """The tile path's range-table copy into shared memory: the second round of words (pair
+    thr + blockDim, 128-thread tiles) loaded at kernel start with the first, instead of in
+    the fill loop after the first round has landed. Not shipped: no faster."""
+    for a, b in (("    .reg .b32   %so, %sr0, %sr1;", "    .reg .b32   %so, %sr0, %sr1, %sr2, %sr3;"),
+                 ("    .reg .pred  %sq0, %sq1;", "    .reg .pred  %sq0, %sq1, %sq2;"),
+                 ("    @%sq1 ld.global.v2.s32 {%sr0, %sr1}, [%u3];\n",
+                  "    @%sq1 ld.global.v2.s32 {%sr0, %sr1}, [%u3];\n    mov.u32             %t2, %ntid.x;\n"
+                  "    add.u32             %t3, %thr, %t2;\n    setp.lt.u32         %sq2, %t3, %t1;\n"
+                  "    and.pred            %sq2, %sq2, %q0;\n    mad.wide.u32        %u3, %t2, 8, %u3;\n"
+                  "    @%sq2 ld.global.v2.s32 {%sr2, %sr3}, [%u3];\n"),
+                 ("    @%kp3 mov.u32       %t3, %sr1;\n",
+                  "    @%kp3 mov.u32       %t3, %sr1;\n    add.u32             %t5, %thr, %nthr;\n"
+                  "    setp.eq.u32         %q3, %t0, %t5;\n    and.pred            %q3, %q3, %sq2;\n"
+                  "    @%q3 mov.u32        %t2, %sr2;\n    @%q3 mov.u32        %t3, %sr3;\n"
+                  "    or.pred             %kp3, %kp3, %q3;\n")):
+        assert text.count(a) == 1, a
+        text = text.replace(a, b)
+    return text
 
 
 def epilogue_items(text: str, n: int, incremental: bool = False) -> str:
