@@ -7,7 +7,9 @@ Variants are the shipped PTX with one change each; not shipped.
     python3 tools/send_variants.py --epilogue             # p3_epilogue_send variants, prefill shape
     python3 tools/send_variants.py --decode               # one-GPU decode round: SM shares
     python3 tools/send_variants.py --tokens 128 --sets 8  # decode-size send, C rotated past L2
-    python3 tools/send_variants.py --decode --recv-ptx F  # the round with another p3_recv_reduce"""
+    python3 tools/send_variants.py --decode --recv-ptx F  # the round with another p3_recv_reduce
+    python3 tools/send_variants.py --decode --recv-preload  # ... with recv_preload's (below)
+    python3 tools/send_variants.py --decode --send-ptx F  # ... with another p3_scatter_send"""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +26,7 @@ from p3send.ops.send import EpilogueSend, ScatterSend
 BASE = (loader.ptx_dir() / "p3_scatter_send.ptx").read_text()
 EPI = (loader.ptx_dir() / "p3_epilogue_send.ptx").read_text()
 ROWS = (loader.ptx_dir() / "p3_send_rows.ptx").read_text()
+RECV = (loader.ptx_dir() / "p3_recv_reduce.ptx").read_text()
 
 
 def variants():
@@ -46,7 +49,7 @@ def variants():
     # occupancy: the kernel's 64 registers (the chunk path's) allow 1024 threads per SM; the
     # tile path holds no data in registers (cp.async), so a register cap shows what it
     # would do with more CTAs per SM
-    for n in (32, 40):
+    for n in (32, 40, 48):
         capped = BASE.replace(".maxntid 1024, 1, 1\n", f".maxntid 1024, 1, 1\n.maxnreg {n}\n")
         assert capped != BASE
         v[f"tile 8 vec/thr x 128, maxnreg {n}"] = (capped, {"tile": True})
@@ -162,6 +165,52 @@ def second_round_early(text: str) -> str:
                   "    or.pred             %kp3, %kp3, %q3;\n")):
         assert text.count(a) == 1, a
         text = text.replace(a, b)
+    return text
+
+
+def recv_preload(text: str) -> str:
+    """p3_recv_reduce with a unit's first four slots loaded together with its routing
+    (topk_idx, weights) when the warp found every pair arrived at its start (then every
+    slot is acquired): one round trip less per unit; a slot that is masked or past the row
+    is zeroed after the load. Correct (tests/gpu/test_combine.py, test_world.py pass with
+    it), not shipped: the decode round is slower with it."""
+    def sw(a, b):
+        nonlocal text
+        assert text.count(a) == 1, a
+        text = text.replace(a, b)
+    sw("    .reg .pred  %known;\n", "    .reg .pred  %known, %allseen, %pre;\n")
+    seen0 = "    mov.u32             %seen, 0;\n"
+    sw(seen0, seen0 + "    setp.ne.u32         %allseen, 0, 0;\n")
+    sw("    or.b32              %seen, %seen, %t1;\nSEEN_DONE:\n", """    or.b32              %seen, %seen, %t1;
+    sub.s32             %t1, %nslots, %lane;
+    max.s32             %t1, %t1, 0;
+    add.u32             %t1, %t1, 31;
+    shr.u32             %t1, %t1, 5;                // slots this lane holds (<= 8)
+    mov.u32             %t2, 1;
+    shl.b32             %t2, %t2, %t1;
+    sub.u32             %t2, %t2, 1;
+    and.b32             %t3, %seen, %t2;
+    setp.eq.u32         %q0, %t3, %t2;
+    vote.sync.all.pred  %allseen, %q0, 0xffffffff;
+    and.pred            %allseen, %allseen, %reduce;
+SEEN_DONE:
+""")
+    addr = ("    cvt.u64.u32         %u3, %t3;\n    mad.lo.s64          %u3, %u3, %msg, %voff;\n"
+            "    add.s64             %u3, %recv, %u3;\n")
+    pre = "".join(f"    setp.lt.u32         %q1, {j}, %topk;\n    and.pred            %q1, %q1, %vin;\n"
+                  f"    mad.lo.u32          %t3, %tok, %topk, {j};\n" + addr
+                  + f"    @%q1 ld.global.v4.u32 {{%s{j}_0, %s{j}_1, %s{j}_2, %s{j}_3}}, [%u3];\n" for j in range(4))
+    row = "    mad.lo.u32          %c, %c, 32, %lane;          // this lane's vector of the token's row\n"
+    sw(row, row + "    mov.pred            %pre, %allseen;\n    @!%allseen bra      PRELOADED;\n"
+       "    setp.lt.u32         %vin, %c, %nvec;\n    mul.wide.u32        %voff, %c, 16;\n" + pre + "PRELOADED:\n")
+    for j in range(4):
+        load = f"    @%ld{j} ld.global.v4.u32 {{%s{j}_0, %s{j}_1, %s{j}_2, %s{j}_3}}, [%u3];\n"
+        zero = "".join(f"    mov.b32             %s{j}_{i}, 0;\n" for i in range(4))
+        sw(zero, f"    and.pred            %q3, %pre, %ld{j};\n"
+           + "".join(f"    @!%q3 mov.b32       %s{j}_{i}, 0;\n" for i in range(4)))
+        sw(load, f"    and.pred            %q3, %ld{j}, !%pre;\n" + load.replace(f"@%ld{j}", "@%q3"))
+    step = "    add.u32             %k, %k, 4;\n"
+    sw(step, "    setp.ne.u32         %pre, 0, 0;\n" + step)
     return text
 
 
@@ -408,10 +457,15 @@ def run_decode(a, dev) -> None:
                              (None, 4 * n), (n, 4 * n)):
         comb = Combine(8, max_tokens=128, top_k=8, hidden=7168, n_local_experts=32, device=dev,
                        stamps=False, num_sms=share)
+        if a.send_ptx:   # another version of p3_scatter_send.ptx
+            k = loader.load(a.send_ptx, device=dev, name="send variant")["p3_scatter_send"]
+            driver.set_max_dynamic_smem(k.func, ScatterSend.SMEM_PER_THREAD * ScatterSend.THREADS)
+            for snd in comb.senders:
+                snd.k, snd.block = k, k.params_block()
         for r in comb.receivers:
             r.max_ctas = recv_ctas or r.max_ctas
-            if a.recv_ptx:   # another version of p3_recv_reduce.ptx
-                r.k = loader.load(a.recv_ptx, device=dev)["p3_recv_reduce"]
+            if a.recv_ptx or a.recv_preload:   # another version of p3_recv_reduce.ptx
+                r.k = loader.load(a.recv_ptx or recv_preload(RECV), device=dev)["p3_recv_reduce"]
                 r.block = r.k.params_block()
         comb.load_world(world)
         for r, snd in enumerate(comb.senders):   # the rows known on the host: the tile grid's size
@@ -444,6 +498,8 @@ def main() -> int:
     ap.add_argument("--epilogue", action="store_true", help="p3_epilogue_send variants")
     ap.add_argument("--decode", action="store_true", help="one-GPU decode round: SM shares")
     ap.add_argument("--recv-ptx", default=None, help="with --decode: this version of p3_recv_reduce.ptx")
+    ap.add_argument("--send-ptx", default=None, help="with --decode: this version of p3_scatter_send.ptx")
+    ap.add_argument("--recv-preload", action="store_true", help="with --decode: recv_preload's receive")
     ap.add_argument("--variant", action="append", default=[], help="only variants naming this (and the baseline)")
     ap.add_argument("--ptx", action="append", default=[], metavar="NAME=FILE",
                     help="also time FILE, another version of p3_scatter_send.ptx, as variant NAME")
