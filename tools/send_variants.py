@@ -41,9 +41,12 @@ def variants():
         head + tail.replace("TILE_EXPERT:\n", "    bra.uni             TILE_NEXT;\nTILE_EXPERT:\n", 1), {"tile": True})
     v["tile, pair counts read with the done RMW"] = (head + speculative_pairs(tail), {"tile": True})
     v["tile, range table's second round loaded at kernel start"] = (second_round_early(BASE), {"tile": True})
-    for thr, vec in ((128, 4), (128, 2), (256, 4), (256, 8), (256, 2), (64, 8), (512, 2), (128, 1)):
+    for thr, vec in ((128, 7), (128, 4), (128, 2), (256, 4), (256, 8), (256, 2), (64, 8), (512, 2), (128, 1)):
         v[f"tile {vec} vec/thr x {thr}"] = (BASE, {"tile": True, "tile_threads": thr, "TILE_VECTORS": vec})
     v["tile 4 vec/thr x 256, no signal"] = (BASE, {"tile": True, "tile_threads": 256, "TILE_VECTORS": 4,
+                                                   "signal": False})
+    # one row of the bench's 14,336-byte rows (896 vectors) per CTA
+    v["tile 7 vec/thr x 128, no signal"] = (BASE, {"tile": True, "tile_threads": 128, "TILE_VECTORS": 7,
                                                    "signal": False})
     v["persistent 132 x 1024 (num_sms = all, no tiles)"] = (BASE, {})
     # occupancy: the kernel's 64 registers (the chunk path's) allow 1024 threads per SM; the
@@ -493,6 +496,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--ranks", type=int, default=8, help="receiving ranks (one buffer each, on this GPU)")
     ap.add_argument("--sets", type=int, default=1, help="copies of C read in turn (8 x 14.7 MB leaves L2)")
+    ap.add_argument("--rotate-recv", action="store_true", help="with --sets: as many receive-buffer sets, in turn")
     ap.add_argument("--peer", action="store_true",
                     help="send from GPU 0 into GPU 1 (every row remote) against cuMemcpyPeerAsync")
     ap.add_argument("--epilogue", action="store_true", help="p3_epilogue_send variants")
@@ -537,14 +541,18 @@ def main() -> int:
         keep += near + far
     else:
         off, table, src, _ = prefill_routing(a.tokens, ranks, top_k, experts, rng)
-        recvs = [driver.DeviceBuffer(a.tokens * top_k * msg) for _ in range(ranks)]
+        recvs = [driver.DeviceBuffer(a.tokens * top_k * msg) for _ in range(ranks * (a.sets if a.rotate_recv else 1))]
         counts = [driver.DeviceBuffer(8 * experts * ranks, fill=0xFF) for _ in range(ranks)]
-        recv_ptrs = [b.ptr for b in recvs]
+        recv_ptrs = [b.ptr for b in recvs[:ranks]]
         keep += recvs + counts
     rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
     offs = driver.DeviceBuffer.from_array(off)
     cfg = rank_config(n_ranks=ranks, recv_bufs=recv_ptrs, top_k=top_k, msg_bytes=msg, max_tokens=a.tokens,
                       range_table=rtab, src_info=srcb)
+    # --rotate-recv: launch i also writes receive-buffer set i mod sets (as the bench does)
+    cfgs = [cfg] + [rank_config(n_ranks=ranks, recv_bufs=[b.ptr for b in recvs[j * ranks:(j + 1) * ranks]],
+                                top_k=top_k, msg_bytes=msg, max_tokens=a.tokens, range_table=rtab, src_info=srcb)
+                    for j in range(1, a.sets if a.rotate_recv and not a.peer else 1)]
     s = driver.Stream()
     timer = Timer(s)
     if a.peer:
@@ -580,9 +588,9 @@ def main() -> int:
         for attr in ("tile_threads", "TILE_VECTORS"):
             if attr in opt:
                 setattr(sender, attr, opt[attr])
-        blks = [sender.prepare(cfg, cc, offs, expert_offsets_host=off, rows_in_c=rows,
+        blks = [sender.prepare(cfgs[j % len(cfgs)], cc, offs, expert_offsets_host=off, rows_in_c=rows,
                                count_ptrs=counts if opt.get("signal", True) else None,
-                               into=sender.k.params_block()) for cc in cs]
+                               into=sender.k.params_block()) for j, cc in enumerate(cs)]
         blk = blks[0]
         # variants with their own grid (the persistent kernel's shapes); tile variants keep
         # the launcher's tile launch
