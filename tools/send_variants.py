@@ -41,7 +41,8 @@ def variants():
         head + tail.replace("TILE_EXPERT:\n", "    bra.uni             TILE_NEXT;\nTILE_EXPERT:\n", 1), {"tile": True})
     v["tile, pair counts read with the done RMW"] = (head + speculative_pairs(tail), {"tile": True})
     v["tile, range table's second round loaded at kernel start"] = (second_round_early(BASE), {"tile": True})
-    for thr, vec in ((128, 7), (128, 4), (128, 2), (256, 4), (256, 8), (256, 2), (64, 8), (512, 2), (128, 1)):
+    for thr, vec in ((128, 7), (224, 4), (448, 2), (128, 4), (128, 2), (256, 4), (256, 8), (256, 2), (64, 8),
+                     (512, 2), (128, 1)):
         v[f"tile {vec} vec/thr x {thr}"] = (BASE, {"tile": True, "tile_threads": thr, "TILE_VECTORS": vec})
     v["tile 4 vec/thr x 256, no signal"] = (BASE, {"tile": True, "tile_threads": 256, "TILE_VECTORS": 4,
                                                    "signal": False})
