@@ -37,13 +37,44 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", default="p3send-bench.json", help="where to write the results")
+    p.add_argument("--hold", action="store_true",
+                   help="hold each timed loop's stream with a short kernel until every launch is enqueued "
+                        "(no host launch gap can enter a timing)")
+
+
+# One thread that spins on %globaltimer for ``ns``: holds a stream while the host enqueues.
+_HOLD_PTX = """.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry p3_bench_hold(.param .u64 ns)
+{
+    .reg .pred  %p;
+    .reg .b64   %t, %end;
+    ld.param.u64        %end, [ns];
+    mov.u64             %t, %globaltimer;
+    add.s64             %end, %end, %t;
+WAIT:
+    nanosleep.u32       1000;
+    mov.u64             %t, %globaltimer;
+    setp.lt.u64         %p, %t, %end;
+    @%p bra             WAIT;
+    ret;
+}
+"""
 
 
 class Timer:
-    """Event-timed iterations on one stream; median in microseconds."""
+    """Event-timed iterations on one stream; median in microseconds.
 
-    def __init__(self, stream: driver.Stream):
-        self.s = stream
+    ``hold``: ``run`` first enqueues a one-thread kernel that holds the stream for 2 ms + 50
+    us per iteration, so the host has enqueued every timed launch before the GPU reaches
+    them and no event pair can include the host's launch path (a check: at the decode size
+    it changes nothing, docs/PERF.md)."""
+
+    HOLD_NS, HOLD_NS_PER_ITER = 2_000_000, 50_000
+
+    def __init__(self, stream: driver.Stream, *, hold: bool = False, device: driver.Device | None = None):
+        self.s, self.hold, self.dev = stream, hold, device
 
     def run(self, fn, iters: int, warmup: int) -> dict:
         for i in range(warmup):
@@ -51,6 +82,10 @@ class Timer:
         self.s.synchronize()
         starts = [driver.Event() for _ in range(iters)]
         ends = [driver.Event() for _ in range(iters)]
+        if self.hold:
+            from ..cuda import loader
+            k = loader.load(_HOLD_PTX, device=self.dev or driver.device(), name="bench hold")["p3_bench_hold"]
+            k.params_block(ns=self.HOLD_NS + iters * self.HOLD_NS_PER_ITER).launch((1,), (1,), self.s)
         for i in range(iters):
             starts[i].record(self.s)
             fn(i)
@@ -156,7 +191,7 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
     rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
     offs = driver.DeviceBuffer.from_array(off)
     s = copy_stream
-    timer = Timer(s)
+    timer = Timer(s, hold=a.hold)
     sender = ScatterSend(a.experts, device=dev)
     blocks, sends = [], []
     for i in range(sets):
@@ -255,7 +290,7 @@ def bench_decode(a, dev, rng, out: dict) -> None:
     comb.load_world(world)
     comb.round()                                  # verified path once before timing
     graph = comb.capture()
-    timer = Timer(comb.origin)
+    timer = Timer(comb.origin, hold=a.hold)
     t = timer.run(lambda i: graph.launch(comb.origin), a.iters * 4, a.warmup)
     comb.check()
     rows = sum(len(d.c) for d in world.ranks)
@@ -372,7 +407,7 @@ def bench_epilogue(a, dev, rng, torch, out: dict) -> None:
     cfg = rank_config(n_ranks=a.ranks, recv_bufs=recvs[:a.ranks], top_k=a.top_k, msg_bytes=msg, max_tokens=a.tokens,
                       range_table=rtab, src_info=srcb)
     s = driver.Stream()
-    timer = Timer(s)
+    timer = Timer(s, hold=a.hold)
     cache = driver.DeviceBuffer(8 * rows, fill=0)       # the row cache: zeroed before every launch
     cfg.row_base_ptr = cache.ptr
     # Every receiver is on this GPU, so both sides signal at .gpu scope (as Combine does).
@@ -517,7 +552,7 @@ def bench_two_gpus(a, rng, torch, out: dict) -> None:
                 driver.memcpy_peer(far["recv"].ptr, far["dev"], sd["c"].ptr, sd["dev"], nbytes, sd["stream"])
 
         d0.activate()
-        timer = Timer(s0)
+        timer = Timer(s0, hold=a.hold, device=d0)
         one = {"p3_scatter_send 0->1": timer.run(lambda i: op(0, True), a.iters, a.warmup),
                "cuMemcpyPeerAsync 0->1": timer.run(lambda i: op(0, False), a.iters, a.warmup)}
 
