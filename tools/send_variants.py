@@ -8,7 +8,7 @@ Variants are the shipped PTX with one change each; not shipped.
     python3 tools/send_variants.py --decode               # one-GPU decode round: SM shares
     python3 tools/send_variants.py --tokens 128 --sets 8  # decode-size send, C rotated past L2
     python3 tools/send_variants.py --decode --recv-ptx F  # the round with another p3_recv_reduce
-    python3 tools/send_variants.py --decode --recv-preload  # ... with recv_preload's (below)
+    python3 tools/send_variants.py --decode --recv-variant preload|gpu-scope  # ... with RECV_VARIANTS' (below)
     python3 tools/send_variants.py --decode --send-ptx F  # ... with another p3_scatter_send"""
 from __future__ import annotations
 
@@ -216,6 +216,14 @@ SEEN_DONE:
     step = "    add.u32             %k, %k, 4;\n"
     sw(step, "    setp.ne.u32         %pre, 0, 0;\n" + step)
     return text
+
+
+def recv_gpu_scope(text: str) -> str:
+    """p3_recv_reduce with every .sys-scope load, fence and store at .gpu scope: correct only
+    when every sender is on the receiver's GPU (as in the one-GPU round); not shipped (the
+    receive has no flags parameter to choose it by)."""
+    at = text.index(".visible .entry")
+    return text[:at] + re.sub(r"\b(ld\.relaxed|ld\.acquire|fence\.acq_rel|st\.relaxed)\.sys\b", r"\1.gpu", text[at:])
 
 
 def epilogue_items(text: str, n: int, incremental: bool = False) -> str:
@@ -468,8 +476,9 @@ def run_decode(a, dev) -> None:
                 snd.k, snd.block = k, k.params_block()
         for r in comb.receivers:
             r.max_ctas = recv_ctas or r.max_ctas
-            if a.recv_ptx or a.recv_preload:   # another version of p3_recv_reduce.ptx
-                r.k = loader.load(a.recv_ptx or recv_preload(RECV), device=dev)["p3_recv_reduce"]
+            if a.recv_ptx or a.recv_variant:   # another version of p3_recv_reduce.ptx
+                text = a.recv_ptx or RECV_VARIANTS[a.recv_variant](RECV)
+                r.k = loader.load(text, device=dev)["p3_recv_reduce"]
                 r.block = r.k.params_block()
         comb.load_world(world)
         for r, snd in enumerate(comb.senders):   # the rows known on the host: the tile grid's size
@@ -491,6 +500,9 @@ def run_decode(a, dev) -> None:
         comb.close()
 
 
+RECV_VARIANTS = {"preload": recv_preload, "gpu-scope": recv_gpu_scope}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (rows = tokens x 8)")
@@ -504,7 +516,8 @@ def main() -> int:
     ap.add_argument("--decode", action="store_true", help="one-GPU decode round: SM shares")
     ap.add_argument("--recv-ptx", default=None, help="with --decode: this version of p3_recv_reduce.ptx")
     ap.add_argument("--send-ptx", default=None, help="with --decode: this version of p3_scatter_send.ptx")
-    ap.add_argument("--recv-preload", action="store_true", help="with --decode: recv_preload's receive")
+    ap.add_argument("--recv-variant", choices=("preload", "gpu-scope"), default=None,
+                    help="with --decode: that variant of p3_recv_reduce (RECV_VARIANTS)")
     ap.add_argument("--variant", action="append", default=[], help="only variants naming this (and the baseline)")
     ap.add_argument("--ptx", action="append", default=[], metavar="NAME=FILE",
                     help="also time FILE, another version of p3_scatter_send.ptx, as variant NAME")
