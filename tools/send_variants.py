@@ -151,6 +151,12 @@ def speculative_pairs(tile: str) -> str:
     return tile.replace(swap, check + swap).replace(last, last + "TILE_PAIRS_READ:\n")
 
 
+def swap(text: str, old: str, new: str) -> str:
+    """``text`` with its one occurrence of ``old`` replaced (a variant's anchor must be unique)."""
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
 def second_round_early(text: str) -> str:
     """The tile path's range-table copy into shared memory: the second round of words (pair
     thr + blockDim, 128-thread tiles) loaded at kernel start with the first, instead of in
@@ -167,26 +173,24 @@ def second_round_early(text: str) -> str:
                   "    setp.eq.u32         %q3, %t0, %t5;\n    and.pred            %q3, %q3, %sq2;\n"
                   "    @%q3 mov.u32        %t2, %sr2;\n    @%q3 mov.u32        %t3, %sr3;\n"
                   "    or.pred             %kp3, %kp3, %q3;\n")):
-        assert text.count(a) == 1, a
-        text = text.replace(a, b)
+        text = swap(text, a, b)
     return text
 
 
 def recv_preload(text: str) -> str:
     """p3_recv_reduce with a unit's first four slots loaded together with its routing
-    (topk_idx, weights) when the warp found every pair arrived at its start (then every
+    (topk_idx, weights) when its CTA found every pair arrived at its start (then every
     slot is acquired): one round trip less per unit; a slot that is masked or past the row
     is zeroed after the load. Correct (tests/gpu/test_combine.py, test_world.py pass with
     it), not shipped: the decode round is slower with it."""
     def sw(a, b):
         nonlocal text
-        assert text.count(a) == 1, a
-        text = text.replace(a, b)
+        text = swap(text, a, b)
     sw("    .reg .pred  %known;\n", "    .reg .pred  %known, %allseen, %pre;\n")
     seen0 = "    mov.u32             %seen, 0;\n"
     sw(seen0, seen0 + "    setp.ne.u32         %allseen, 0, 0;\n")
-    sw("    or.b32              %seen, %seen, %t1;\nSEEN_DONE:\n", """    or.b32              %seen, %seen, %t1;
-    sub.s32             %t1, %nslots, %lane;
+    seen = "    ld.shared.u32       %seen, [%t1];\n"   # every warp's bits, from warp 0
+    sw(seen + "SEEN_DONE:\n", seen + """    sub.s32             %t1, %nslots, %lane;
     max.s32             %t1, %t1, 0;
     add.u32             %t1, %t1, 31;
     shr.u32             %t1, %t1, 5;                // slots this lane holds (<= 8)
