@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--json", default="p3send-bench.json", help="where to write the results")
     p.add_argument("--hold", action="store_true",
                    help="hold each timed loop's stream with a short kernel until every launch is enqueued "
-                        "(no host launch gap can enter a timing)")
+                        "(no host launch gap can enter a timing; the send sections always do)")
 
 
 # One thread that spins on %globaltimer for ``ns``: holds a stream while the host enqueues.
@@ -83,9 +83,7 @@ class Timer:
         starts = [driver.Event() for _ in range(iters)]
         ends = [driver.Event() for _ in range(iters)]
         if self.hold:
-            from ..cuda import loader
-            k = loader.load(_HOLD_PTX, device=self.dev or driver.device(), name="bench hold")["p3_bench_hold"]
-            k.params_block(ns=self.HOLD_NS + iters * self.HOLD_NS_PER_ITER).launch((1,), (1,), self.s)
+            self._hold(iters)
         for i in range(iters):
             starts[i].record(self.s)
             fn(i)
@@ -96,32 +94,46 @@ class Timer:
             e.close()
         return {"median_us": statistics.median(us), "min_us": min(us), "max_us": max(us), "n": iters}
 
+    def _hold(self, launches: int) -> None:
+        from ..cuda import loader
+        k = loader.load(_HOLD_PTX, device=self.dev or driver.device(), name="bench hold")["p3_bench_hold"]
+        k.params_block(ns=self.HOLD_NS + launches * self.HOLD_NS_PER_ITER).launch((1,), (1,), self.s)
+
     def interleaved(self, fns: dict, rounds: int, per_round: int, warmup: int) -> dict:
         """Every contender of ``fns`` (name -> fn(i)) timed in turns: ``rounds`` rounds of
         ``per_round`` launches each, the order rotated every round, so slow drifts of the
-        GPU (clocks, power, temperature) fall on every contender alike. Returns name -> the
-        median, min and max over all its launches."""
+        GPU (clocks, power, temperature) fall on every contender alike. Each round is held
+        (as ``hold``) until all its launches are enqueued, so a short kernel's timing never
+        includes the host's turn from one contender to the next. ``fn(i)`` gets the count of
+        launches made before it (all contenders), so inputs rotated by ``i`` were last
+        touched as many launches ago whoever ran before. Returns name -> the median, min and
+        max over all its launches."""
         names = list(fns)
         for n in names:
             for i in range(warmup):
                 fns[n](i)
         self.s.synchronize()
         times = {n: [] for n in names}
+        made = 0
+        events = [(driver.Event(), driver.Event()) for _ in range(per_round * len(names))]
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             marks = []
+            self._hold(len(events))
             for n in order:
-                for i in range(per_round):
-                    e0, e1 = driver.Event(), driver.Event()
+                for _ in range(per_round):
+                    e0, e1 = events[len(marks)]
                     e0.record(self.s)
-                    fns[n](r * per_round + i)
+                    fns[n](made)
+                    made += 1
                     e1.record(self.s)
                     marks.append((n, e0, e1))
             self.s.synchronize()
             for n, e0, e1 in marks:
                 times[n].append(1000.0 * e0.elapsed_ms(e1))
-                e0.close()
-                e1.close()
+        for e0, e1 in events:
+            e0.close()
+            e1.close()
         return {n: {"median_us": statistics.median(v), "min_us": min(v), "max_us": max(v), "n": len(v),
                     "interleaved": True} for n, v in times.items()}
 
@@ -191,7 +203,9 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
     rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
     offs = driver.DeviceBuffer.from_array(off)
     s = copy_stream
-    timer = Timer(s, hold=a.hold)
+    # held (Timer.hold): a decode-size launch is shorter than the host's turn, and the peers'
+    # shape sweep includes two-launch contenders
+    timer = Timer(s, hold=True)
     sender = ScatterSend(a.experts, device=dev)
     blocks, sends = [], []
     for i in range(sets):
@@ -223,14 +237,22 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
     res["send_identity_routing"] = timer.run(lambda i: sender.launch(s, iblks[i % sets]), a.iters, a.warmup)
     res["d2d_copy"] = timer.run(lambda i: driver.memcpy_dtod(dsts[i % sets].ptr, cs[i % sets].ptr, nbytes, s),
                                 a.iters, a.warmup)
-    from .peers import time_peers   # the fair peers; bench-only code
+    from .peers import close_peers, time_peers   # the fair peers; bench-only code
     # the scatter ceiling's destinations: row r -> its rank's receive buffer, slot (src_idx, src_topk)
     slot = (src[:, 0].astype(np.uint64) * np.uint64(a.top_k) + src[:, 1].astype(np.uint64)) * np.uint64(msg)
     row_dsts = [driver.DeviceBuffer.from_array(np.array([b.ptr for b in recvs[i]], np.uint64)[dst] + slot)
                 for i in range(sets)]
+    best = {}
     found, peers_skipped = time_peers(timer, sends, (dsts, cs, nbytes), n_experts=a.experts, dev=dev,
-                                      iters=a.iters, warmup=a.warmup, ceiling=(row_dsts, cs, rows, msg))
-    res.update(found)
+                                      iters=a.iters, warmup=a.warmup, ceiling=(row_dsts, cs, rows, msg), best=best)
+    # the table's figures: every contender's fastest shape timed in turns with the send
+    fns = {"p3_scatter_send": send, "send_identity_routing": lambda i: sender.launch(s, iblks[i % sets]),
+           "d2d_copy": lambda i: driver.memcpy_dtod(dsts[i % sets].ptr, cs[i % sets].ptr, nbytes, s)}
+    fns.update({k: fn for k, (fn, _) in best.items()})
+    turns = timer.interleaved(fns, rounds=max(4, a.iters // 2), per_round=4, warmup=a.warmup)
+    for k, v in turns.items():
+        res[k] = dict(v, **{x: found[k][x] for x in ("config", "variant", "variants") if k in found})
+    close_peers(peer for _, peer in best.values())
     for b in row_dsts:
         b.free()
     for d in dsts:
@@ -291,8 +313,19 @@ def bench_decode(a, dev, rng, out: dict) -> None:
     comb.round()                                  # verified path once before timing
     graph = comb.capture()
     timer = Timer(comb.origin, hold=a.hold)
-    t = timer.run(lambda i: graph.launch(comb.origin), a.iters * 4, a.warmup)
-    comb.check()
+    fns = {"round": lambda i: graph.launch(comb.origin)}
+    bufs = []
+    try:
+        ceiling = round_ceiling(a, dev, comb, world, timer, bufs)
+        fns.update(ceiling.pop("fns"))
+        turns = timer.interleaved(fns, rounds=a.iters, per_round=4, warmup=a.warmup)
+        t = turns.pop("round")
+        comb.check()
+        ceiling["matches_round"] = ceiling.pop("check")()
+        ceiling.update(turns)
+    finally:
+        for b in bufs:
+            b.free()
     rows = sum(len(d.c) for d in world.ranks)
     msg = 2 * a.hidden
     moved = 2 * rows * msg + a.ranks * a.decode_tokens * (a.top_k + 1) * msg   # send r+w, reduce r+w
@@ -306,9 +339,109 @@ def bench_decode(a, dev, rng, out: dict) -> None:
     comb.check()
     out["decode"] = {"round_us": t["median_us"], "bytes_moved": moved, "copy_floor_us": floor_us,
                      "round_over_floor": (t["median_us"] / floor_us) if floor_us else None,
-                     "graph_replay_host_us": statistics.median(host), "rows": rows}
+                     "graph_replay_host_us": statistics.median(host), "rows": rows, "ceiling": ceiling}
     graph.close()
     comb.close()
+
+
+def round_ceiling(a, dev, comb, world, timer, bufs: list) -> dict:
+    """The decode round's ceilings, for timing in turns with the round. "round ceiling": every
+    rank's rows copied to their slots of the round's receive buffers by the scatter ceiling
+    (destinations precomputed, one launch for all ranks, no signal), then the reduce ceiling
+    over every rank's tokens (one launch, no wait) into buffers of its own. "round ceiling
+    per rank, signalled": the round's own launches with those kernels (per rank a signalled
+    scatter of its rows on its stream, or the scatter then a publish kernel; after every
+    rank's scatter, each rank's reduce), its best scatter shape. Returns the shapes found,
+    "fns" (those, each half alone and the round's sends alone, for ``Timer.interleaved``) and
+    "check" (after the timings: do the ceiling's outputs equal the round's, byte for byte);
+    its buffers go to ``bufs`` (the caller frees them)."""
+    from .peers import REDUCE_VARIANTS, ROWS_VARIANTS, PeerUnavailable, ReduceCeiling, RowsCopy
+    msg = 2 * a.hidden
+    counts = [len(d.c) for d in world.ranks]
+    allc = driver.DeviceBuffer(sum(counts) * msg)
+    dst, at = [], 0
+    for r, d in enumerate(world.ranks):
+        driver.memcpy_dtod(allc.ptr + at * msg, comb.c[r].ptr, counts[r] * msg, comb.origin)
+        at += counts[r]
+        src = d.row_src.astype(np.uint64)      # (source rank, token, k): the slot's owner is the source rank
+        base = np.array([comb.recv_ptr(p) for p in range(a.ranks)], np.uint64)
+        dst.append(base[src[:, 0]] + (src[:, 1] * np.uint64(a.top_k) + src[:, 2]) * np.uint64(msg))
+    row_dst = driver.DeviceBuffer.from_array(np.concatenate(dst))
+    outs = [driver.DeviceBuffer(a.decode_tokens * msg) for _ in range(a.ranks)]
+    bufs.extend([allc, row_dst, *outs])
+    s = comb.origin
+    R = range(a.ranks)
+
+    def reduce_of(k, ranks):
+        return k.prepare([comb.recv_ptr(r) for r in ranks], [comb.topk_idx[r] for r in ranks],
+                         [comb.weights[r] for r in ranks], [outs[r] for r in ranks], tokens=a.decode_tokens,
+                         top_k=a.top_k, msg_bytes=msg, n_global=a.experts * a.ranks)
+    try:
+        def best(make, prepare, variants):
+            per = {}
+            for v in variants:
+                k = make(*v)
+                launch = prepare(k)
+                per[k.config] = (timer.run(lambda i: launch(s), a.iters, a.warmup)["median_us"], launch, v)
+            name = min(per, key=lambda x: per[x][0])
+            return name, per[name][1], per[name][2], {x: round(y[0], 2) for x, y in per.items()}
+        rows_cfg, rows_l, rows_v, rows_var = best(lambda t, v, n=1: RowsCopy(device=dev, threads=t, vpt=v,
+                                                                               rows_per_cta=n),
+                                                  lambda k: k.prepare(row_dst, allc, sum(counts), msg), ROWS_VARIANTS)
+        red_cfg, red_l, red_v, red_var = best(lambda t, v: ReduceCeiling(device=dev, threads=t, vpt=v),
+                                              lambda k: reduce_of(k, R), REDUCE_VARIANTS)
+        # the round's own structure with the ceiling kernels: per rank a signalled scatter of
+        # its rows on its stream, then per rank (after every rank's scatter) its reduce; the
+        # scatter's shapes swept again in this structure
+        red = ReduceCeiling(device=dev, threads=red_v[0], vpt=red_v[1])
+        streams, sent = [driver.Stream() for _ in R], [driver.Event(timing=False) for _ in R]
+        first = np.concatenate([[0], np.cumsum(counts)])
+        graphs, signalled = {}, []
+        for v, sig in [(v, True) for v in ROWS_VARIANTS] + [(rows_v, "kernel")]:
+            ks = [RowsCopy(device=dev, threads=v[0], vpt=v[1], rows_per_cta=v[2] if len(v) > 2 else 1, signal=sig)
+                  for _ in R]
+            signalled += ks
+            with driver.Graph.capture(s, streams) as cap:
+                for r in R:
+                    ks[r].prepare(row_dst.ptr + 8 * int(first[r]), comb.c[r], counts[r], msg)(streams[r])
+                    sent[r].record(streams[r])
+                for r in R:
+                    for p in R:
+                        if p != r:
+                            streams[r].wait(sent[p])
+                    reduce_of(red, [r])(streams[r])
+            g = cap.graph
+            graphs[ks[0].config] = (timer.run(lambda i, g=g: g.launch(s), a.iters, a.warmup)["median_us"], g, ks)
+        per_rank_cfg = min(graphs, key=lambda x: graphs[x][0])
+        graph, ks = graphs[per_rank_cfg][1:]
+        with driver.Graph.capture(s, streams) as cap:     # its scatters alone
+            for r in R:
+                ks[r].prepare(row_dst.ptr + 8 * int(first[r]), comb.c[r], counts[r], msg)(streams[r])
+        scatters = cap.graph
+        sends = comb.capture(receive=False)               # and the round's sends alone
+    except PeerUnavailable as e:
+        return {"skipped": str(e), "fns": {}, "check": lambda: None}
+
+    def both(i):
+        rows_l(s)
+        red_l(s)
+
+    def check():
+        s.synchronize()
+        same = all(np.array_equal(outs[r].download(np.uint16), comb.output(r).reshape(-1)) for r in R)
+        for g in [x[1] for x in graphs.values()] + [scatters, sends]:
+            g.close()
+        for x in signalled + streams + sent:
+            x.close()
+        return same
+    return {"scatter_config": rows_cfg, "scatter_variants": rows_var, "reduce_config": red_cfg,
+            "reduce_variants": red_var, "per_rank_scatter_config": per_rank_cfg,
+            "per_rank_variants": {k: round(x[0], 2) for k, x in graphs.items()}, "check": check,
+            "fns": {"round ceiling": both, "round ceiling: scatter": lambda i: rows_l(s),
+                    "round ceiling: reduce": lambda i: red_l(s),
+                    "round ceiling per rank, signalled": lambda i: graph.launch(s),
+                    "round ceiling per rank: the scatters": lambda i: scatters.launch(s),
+                    "round: the sends": lambda i: sends.launch(s)}}
 
 
 def signal_latency(send_dev, recv_dev, msg: int, rows: int, num_sms: int, reps: int = 60,
@@ -660,6 +793,24 @@ def table(out: dict) -> str:
         floor = (f"copy floor {d['copy_floor_us']:.1f} us -> {d['round_over_floor']:.2f}x (target <= 1.15)"
                  if d["copy_floor_us"] else "copy floor: needs the prefill section")
         L.append(f"\n3. decode round (graph replay): {d['round_us']:.1f} us, {floor}")
+        c = d.get("ceiling", {})
+        if "skipped" in c:
+            L.append(f"   round ceiling: skipped ({c['skipped']})")
+        elif "round ceiling" in c:
+            fl = d["copy_floor_us"]
+            for k, what in (("round ceiling", "one scatter launch for every rank's rows, then one reduce"),
+                            ("round ceiling: scatter", ""), ("round ceiling: reduce", ""),
+                            ("round ceiling per rank, signalled", "the round's launches: 8 signalled scatters, "
+                                                                  "then 8 reduces"),
+                            ("round ceiling per rank: the scatters", ""), ("round: the sends", "")):
+                x = c[k]["median_us"]
+                L.append(f"   {k:<34} {x:7.1f} us" + (f"  {x / fl:.2f}x the floor" if fl and what else "")
+                         + (f"  ({what})" if what else ""))
+            L.append(f"   round / round ceiling    {d['round_us'] / c['round ceiling']['median_us']:.3f}x, "
+                     f"/ per rank, signalled {d['round_us'] / c['round ceiling per rank, signalled']['median_us']:.3f}x"
+                     f"   [scatter {c['scatter_config']}, reduce {c['reduce_config']}, per rank "
+                     f"{c['per_rank_scatter_config']}; timed in turns with the round; "
+                     f"outputs equal the round's: {c['matches_round']}]")
     if "signal_latency" in out:
         s, t = out["signal_latency"], out.get("signal_latency_shared")
         L.append(f"\n4. signal latency (last store -> observed, kernels concurrent): median {s['median_us']:.2f} us, "

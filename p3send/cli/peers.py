@@ -203,22 +203,108 @@ extern "C" __global__ void __launch_bounds__(MAXT) p3peer_scatter(
 }
 
 // Diagnostic only (not the send's job): the same CTA shape with every row's destination
-// precomputed (row_dst[r], 0 = not stored): no resolve, no signal.
+// precomputed (row_dst[r], 0 = not stored): no resolve, no bounds check. CTA b copies chunk
+// b % chunks of rows_per_cta consecutive rows (one after another), so the grid is
+// ceil(n_rows / rows_per_cta) * chunks. With done != 0, the least signal a correct send
+// needs: after bar.sync thread 0 counts the CTA into done[b % 32] with an acq_rel atomic
+// (the release of the CTA's stores; 32 counters, as many as the send's experts), and the
+// CTA that completes its counter resets it and publishes with a release store into
+// flag[b % 32].
 extern "C" __global__ void __launch_bounds__(MAXT) p3peer_rows(const u64* __restrict__ row_dst,
-    const uint4* __restrict__ c, u64 c_row_stride, int nv, int chunks, int cta_vecs)
+    const uint4* __restrict__ c, u64 c_row_stride, int nv, int chunks, int cta_vecs, u32* done, u64* flag,
+    int rows_per_cta, int n_rows)
 {
-    const int ri = blockIdx.x / chunks, chunk = blockIdx.x - ri * chunks;
+    const int rb = blockIdx.x / chunks, chunk = blockIdx.x - rb * chunks;
     const int v0 = chunk * cta_vecs + threadIdx.x, v1 = min(nv, (chunk + 1) * cta_vecs);
-    const uint4* src = (const uint4*)((const char*)c + (u64)ri * c_row_stride);
-    uint4 x[VPT];
-#pragma unroll
-    for (int j = 0; j < VPT; ++j)
-        if (v0 + j * (int)blockDim.x < v1) x[j] = ld16(src + v0 + j * blockDim.x);
-    uint4* dst = (uint4*)__ldg(row_dst + ri);
-    if (dst) {
+    const int r1 = min(n_rows, (rb + 1) * rows_per_cta);
+    for (int ri = rb * rows_per_cta; ri < r1; ++ri) {
+        const uint4* src = (const uint4*)((const char*)c + (u64)ri * c_row_stride);
+        uint4 x[VPT];
 #pragma unroll
         for (int j = 0; j < VPT; ++j)
-            if (v0 + j * (int)blockDim.x < v1) st16(dst + v0 + j * blockDim.x, x[j]);
+            if (v0 + j * (int)blockDim.x < v1) x[j] = ld16(src + v0 + j * blockDim.x);
+        uint4* dst = (uint4*)__ldg(row_dst + ri);
+        if (dst) {
+#pragma unroll
+            for (int j = 0; j < VPT; ++j)
+                if (v0 + j * (int)blockDim.x < v1) st16(dst + v0 + j * blockDim.x, x[j]);
+        }
+    }
+    if (!done) return;
+    __syncthreads();                              // every thread's stores before thread 0's release
+    if (threadIdx.x != 0) return;
+    const u32 q = blockIdx.x & 31, total = (gridDim.x - q + 31) / 32;
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(done + q) : "memory");
+    if (old + 1 != total) return;
+    asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" :: "l"(done + q) : "memory");
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(flag + q), "l"((u64)total) : "memory");
+}
+
+// The other way to order a count after rows: the kernel boundary. A one-warp kernel launched
+// after p3peer_rows (stream order) publishes the flags: thread i < n, flag[i] = value
+// (release store; the previous kernel's stores are visible to it by stream order).
+extern "C" __global__ void p3peer_publish(u64* flag, int n, u64 value)
+{
+    if ((int)threadIdx.x < n)
+        asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(flag + threadIdx.x), "l"(value) : "memory");
+}
+
+// The reduce ceiling (diagnostic, not the receive's job): p3_recv_reduce's arithmetic with no
+// wait, no re-arm and no diagnostics, for every rank of a one-GPU round in one launch. CTA b
+// reduces vectors [chunk*cta_vecs, ...) of token t of rank r (b = (r*tokens + t)*chunks +
+// chunk): every slot's loads first (top_k <= 8), then the fp32 FMAs in k order and one
+// bf16 store per vector, as docs/KERNELS.md specifies the reduce.
+struct Ptrs32 { u64 recv[8], topk[8], w[8], out[8]; };
+__device__ __forceinline__ float lo_f(u32 u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float hi_f(u32 u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+extern "C" __global__ void __launch_bounds__(MAXT) p3peer_reduce(const __grid_constant__ Ptrs32 p,
+    int tokens, int top_k, int nv, int n_global, int chunks, int cta_vecs)
+{
+    const int b = blockIdx.x / chunks, chunk = blockIdx.x - b * chunks;
+    const int r = b / tokens, t = b - r * tokens;
+    const int v0 = chunk * cta_vecs + threadIdx.x, v1 = min(nv, (chunk + 1) * cta_vecs);
+    const int* idx = (const int*)p.topk[r] + (u64)t * top_k;
+    const float* wt = (const float*)p.w[r] + (u64)t * top_k;
+    const uint4* slots = (const uint4*)p.recv[r] + (u64)t * top_k * nv;
+    uint4 x[8][VPT];
+    float w[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int g = k < top_k ? __ldg(idx + k) : -1;
+        const bool ok = g >= 0 && g < n_global;
+        w[k] = ok ? __ldg(wt + k) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int v = v0 + j * (int)blockDim.x;
+            x[k][j] = make_uint4(0, 0, 0, 0);
+            if (ok && v < v1) x[k][j] = ld16(slots + (u64)k * nv + v);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int v = v0 + j * (int)blockDim.x;
+        if (v >= v1) continue;
+        float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            if (k >= top_k) break;
+            const u32 q[4] = {x[k][j].x, x[k][j].y, x[k][j].z, x[k][j].w};
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                a[2 * h] = fmaf(w[k], lo_f(q[h]), a[2 * h]);
+                a[2 * h + 1] = fmaf(w[k], hi_f(q[h]), a[2 * h + 1]);
+            }
+        }
+        uint4 o;
+        o.x = pack_bf16(a[0], a[1]); o.y = pack_bf16(a[2], a[3]);
+        o.z = pack_bf16(a[4], a[5]); o.w = pack_bf16(a[6], a[7]);
+        st16((uint4*)p.out[r] + (u64)t * nv + v, o);
     }
 }
 """
@@ -475,19 +561,83 @@ class SMCopy:
 class RowsCopy(SMCopy):
     """The scatter ceiling: ``p3peer_rows``, the CUDA C++ peer's CTA shape copying every row
     of C to its precomputed destination (``row_dst[r]``, u64 on the device): no routing, no
-    bounds check, no signal. What no kernel writing the same slots from the same rows beats."""
+    bounds check. What no kernel writing the same slots from the same rows beats. With
+    ``signal``, the least signal a correct send needs (one release per CTA into one of 32
+    counters, the last CTA of each publishing a flag): what no signalled send beats."""
 
-    def __init__(self, *, device: driver.Device | None = None, threads: int = 256, vpt: int = 1):
+    def __init__(self, *, device: driver.Device | None = None, threads: int = 256, vpt: int = 1,
+                 rows_per_cta: int = 1, signal: bool | str = False):
         super().__init__(device=device, threads=threads, vpt=vpt)
         mod, _ = _cuda_module(self.dev.ordinal, f"sm_{self.dev.cc[0]}{self.dev.cc[1]}", threads, vpt)
         self.func = driver.get_function(mod, "p3peer_rows")
+        self.publish = driver.get_function(mod, "p3peer_publish") if signal == "kernel" else None
+        self.rows_per_cta = max(1, int(rows_per_cta))
+        self.state = driver.DeviceBuffer(32 * 4 + 32 * 8, fill=0) if signal else None   # u32 done[32], u64 flag[32]
+        if self.rows_per_cta > 1:
+            self.config = self.config.replace(" (", f", {self.rows_per_cta} rows/CTA (", 1)
+        if signal:
+            self.config += ", then a publish kernel" if self.publish else ", signalled"
 
-    def prepare(self, row_dst, c, rows: int, msg_bytes: int) -> Launch:
+    def prepare(self, row_dst, c, rows: int, msg_bytes: int):
+        """The launch (a callable taking a stream): with ``signal="kernel"``, p3peer_rows
+        without its signal, then p3peer_publish setting the 32 flags."""
         chunks, cta_vecs, block = _tile(msg_bytes // 16, self.threads, self.vpt)
-        return Launch(self.func, "p3peer_rows", rows * chunks, block, 0,
-                      [ctypes.c_uint64(driver.device_ptr(row_dst, "row_dst")), ctypes.c_uint64(driver.device_ptr(c, "c")),
-                       ctypes.c_uint64(msg_bytes), ctypes.c_int32(msg_bytes // 16), ctypes.c_int32(chunks),
-                       ctypes.c_int32(cta_vecs)])
+        done = self.state.ptr if self.state is not None and self.publish is None else 0
+        u64, i32 = ctypes.c_uint64, ctypes.c_int32
+        grid = -(-rows // self.rows_per_cta) * chunks
+        copy = Launch(self.func, "p3peer_rows", grid, block, 0,
+                      [u64(driver.device_ptr(row_dst, "row_dst")), u64(driver.device_ptr(c, "c")),
+                       u64(msg_bytes), i32(msg_bytes // 16), i32(chunks), i32(cta_vecs), u64(done),
+                       u64(done + 128 if done else 0), i32(self.rows_per_cta), i32(rows)])
+        if self.publish is None:
+            return copy
+        publish = Launch(self.publish, "p3peer_publish", 1, 32, 0,
+                         [u64(self.state.ptr + 128), i32(32), u64(grid)])
+
+        def both(stream):
+            copy(stream)
+            publish(stream)
+        both.grid = grid
+        return both
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.state.free()
+            self.state = None
+
+
+class ReduceCeiling(SMCopy):
+    """The reduce ceiling: ``p3peer_reduce``, the receive's top-k reduce (same arithmetic, so
+    the same bytes out) for every rank of a one-GPU round in one launch, with no wait, no
+    re-arm and no diagnostics: what no receive of the same slots beats."""
+
+    def __init__(self, *, device: driver.Device | None = None, threads: int = 128, vpt: int = 1):
+        super().__init__(device=device, threads=threads, vpt=vpt)
+        mod, _ = _cuda_module(self.dev.ordinal, f"sm_{self.dev.cc[0]}{self.dev.cc[1]}", threads, vpt)
+        self.func = driver.get_function(mod, "p3peer_reduce")
+
+    def prepare(self, recv: list, topk_idx: list, weights: list, out: list, *, tokens: int, top_k: int,
+                msg_bytes: int, n_global: int) -> Launch:
+        ranks = len(recv)
+        problems = []
+        if not 1 <= ranks <= 8 or not (len(topk_idx) == len(weights) == len(out) == ranks):
+            problems.append(f"recv, topk_idx, weights, out: expected 1..8 ranks each, got "
+                            f"{len(recv)}, {len(topk_idx)}, {len(weights)}, {len(out)}")
+        if not 1 <= top_k <= 8:
+            problems.append(f"top_k: expected 1..8, got {top_k}")
+        if msg_bytes <= 0 or msg_bytes % 16:
+            problems.append(f"msg_bytes: expected a positive multiple of 16, got {msg_bytes}")
+        if problems:
+            raise ConfigError(problems, "reduce ceiling")
+        ptrs = (ctypes.c_uint64 * 32)()
+        for i, group in enumerate((recv, topk_idx, weights, out)):
+            for r, x in enumerate(group):
+                ptrs[8 * i + r] = driver.device_ptr(x, "reduce ceiling buffer")
+        nv = msg_bytes // 16
+        chunks, cta_vecs, block = _tile(nv, self.threads, self.vpt)
+        i32 = ctypes.c_int32
+        return Launch(self.func, "p3peer_reduce", ranks * tokens * chunks, block, 0,
+                      [ptrs, i32(tokens), i32(top_k), i32(nv), i32(n_global), i32(chunks), i32(cta_vecs)])
 
 
 # ---------------------------------------------------------------- Triton
@@ -628,11 +778,12 @@ class TritonScatter(_ScatterPeer):
 TRITON_VARIANTS = ((256, 4), (256, 1), (256, 2), (128, 4), (512, 2), (128, 8))
 CUDA_VARIANTS = ((256, 2), (256, 1), (256, 4), (128, 4), (512, 2))
 COPY_VARIANTS = ((256, 1), (256, 2), (256, 4), (128, 2), (512, 1), (256, 1, 1))
-ROWS_VARIANTS = ((256, 1), (256, 2), (256, 4), (128, 8))
+ROWS_VARIANTS = ((256, 1), (256, 2), (256, 4), (128, 8), (128, 8, 2), (256, 4, 4), (1024, 1, 8))  # (.., rows/CTA)
+REDUCE_VARIANTS = ((128, 1), (256, 1), (64, 1), (128, 2), (256, 2))
 
 
 def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: int, warmup: int,
-               variants: bool = True, ceiling: tuple | None = None) -> tuple[dict, dict]:
+               variants: bool = True, ceiling: tuple | None = None, best: dict | None = None) -> tuple[dict, dict]:
     """Time the peers next to a bench section's own rows, on the section's buffers.
 
     sends: per rotated input set, a dict of ScatterSend.prepare's arguments (cfg, c,
@@ -643,7 +794,10 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
     scatter peer" | "SM copy ceiling": the Timer's result + "config" (the fastest variant, in
     words), "variant" (its tuple) and "variants" (every variant's median)}, skipped {row
     name: reason}. ceiling: (row_dsts, cs, n_rows, msg_bytes), one row_dst table per set, adds
-    the "scatter ceiling" row (RowsCopy)."""
+    the "scatter ceiling", "signalled scatter ceiling" and "scatter ceiling, then a publish
+    kernel" rows (RowsCopy). best: a dict to
+    receive, per row, (fn(i) launching the fastest variant on the timer's stream, its peer)
+    for a timing in turns; the caller then closes those peers (``close_peers``)."""
     rows, skipped = {}, {}
     dsts, srcs, nbytes = copy
 
@@ -661,9 +815,12 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
          lambda peer, i: peer.prepare(dsts[i], srcs[i], nbytes), len(dsts)))
     if ceiling is not None:
         row_dsts, cs, n_rows, msg = ceiling
-        contestants += (("scatter ceiling (destinations precomputed)", ROWS_VARIANTS,
-                         lambda t, v: RowsCopy(device=dev, threads=t, vpt=v),
-                         lambda peer, i: peer.prepare(row_dsts[i], cs[i], n_rows, msg), len(row_dsts)),)
+        for label, sig in (("scatter ceiling (destinations precomputed)", False),
+                           ("signalled scatter ceiling", True),
+                           ("scatter ceiling, then a publish kernel", "kernel")):
+            contestants += ((label, ROWS_VARIANTS,
+                             lambda t, v, n=1, sig=sig: RowsCopy(device=dev, threads=t, vpt=v, rows_per_cta=n, signal=sig),
+                             lambda peer, i: peer.prepare(row_dsts[i], cs[i], n_rows, msg), len(row_dsts)),)
     for label, vs, make, prepare, n_sets in contestants:
         per = {}
         for v in vs[: None if variants else 1]:
@@ -673,11 +830,21 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
                 skipped[label] = str(e)
                 break
             launches = [prepare(peer, i) for i in range(n_sets)]
-            per[peer.config] = (timer.run(lambda i: peer.launch(timer.s, launches[i % n_sets]), iters, warmup), v)
-            if hasattr(peer, "close"):
-                peer.close()
+
+            def fn(i, peer=peer, launches=launches, n_sets=n_sets):
+                peer.launch(timer.s, launches[i % n_sets])
+            per[peer.config] = (timer.run(fn, iters, warmup), v, fn, peer)
         if per:
-            best = min(per, key=lambda k: per[k][0]["median_us"])
-            rows[label] = dict(per[best][0], config=best, variant=per[best][1],
+            fastest = min(per, key=lambda k: per[k][0]["median_us"])
+            rows[label] = dict(per[fastest][0], config=fastest, variant=per[fastest][1],
                                variants={k: round(x[0]["median_us"], 2) for k, x in per.items()})
+            if best is not None:
+                best[label] = per[fastest][2:]
+            close_peers(x[3] for k, x in per.items() if best is None or k != fastest)
     return rows, skipped
+
+
+def close_peers(peers) -> None:
+    for peer in peers:
+        if hasattr(peer, "close"):
+            peer.close()

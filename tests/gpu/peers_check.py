@@ -13,7 +13,6 @@ after a second one (counts re-armed in between: the state must have reset itself
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import secrets
 import time
@@ -201,7 +200,6 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
             senders[name] = (snd, [snd.prepare(**a) for a in st.sends])
         # diagnostic (not the send's job): the CUDA C++ CTA shape with every row's destination
         # precomputed on the host from the oracle: no resolve, no signal (the external peers' shape)
-        arch = f"sm_{dev.cc[0]}{dev.cc[1]}"
         row_dst = []
         for cfg in st.cfgs:
             bufs = np.array(list(cfg.recv_buf_ptrs), np.uint64)
@@ -210,13 +208,9 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
             row_dst.append(driver.DeviceBuffer.from_array(d.astype(np.uint64)))
         pre = {}
         for t, v in ((256, 1), (256, 2), (256, 4)):
-            func = driver.get_function(peers._cuda_module(dev.ordinal, arch, t, v)[0], "p3peer_rows")
-            chunks, cta_vecs, block = peers._tile(st.msg // 16, t, v)
-            pre[f"diag: CUDA C++ rows copy, destinations precomputed ({t}, {v})"] = [peers.Launch(
-                func, "p3peer_rows", st.rows * chunks, block, 0,
-                [ctypes.c_uint64(row_dst[i].ptr), ctypes.c_uint64(st.cs[i].ptr), ctypes.c_uint64(st.msg),
-                 ctypes.c_int32(st.msg // 16), ctypes.c_int32(chunks), ctypes.c_int32(cta_vecs)])
-                for i in range(sh.sets)]
+            rows_copy = peers.RowsCopy(device=dev, threads=t, vpt=v)
+            pre[f"diag: CUDA C++ rows copy, destinations precomputed ({t}, {v})"] = [
+                rows_copy.prepare(row_dst[i], st.cs[i], st.rows, st.msg) for i in range(sh.sets)]
         check = {}
         for name, (snd, blocks) in senders.items():
             check[name] = check_setup(st, lambda strm: snd.launch(strm, blocks[0]), want, want_counts, res, torch, s,
