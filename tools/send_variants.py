@@ -584,6 +584,13 @@ def main() -> int:
                         5)["median_us"]
     print(f"{rows} rows x {msg} B{' GPU0 -> GPU1' if a.peer else ''}: {ref_name} {ref:.1f} us")
     todo = variants()
+    # the tile's row range known at launch instead of loaded at kernel start (timing only:
+    # this tool's routing starts at row 0): what the first round trip before the loads costs
+    r0 = "    ld.global.nc.s32    %tR0, [%u6];                // R0 = off[0]\n"
+    r1 = "    ld.global.nc.s32    %tR1, [%u3];                // R1 = off[n_experts]\n"
+    known = swap(swap(BASE, r0, "    mov.u32             %tR0, 0;\n"), r1, f"    mov.u32             %tR1, {rows};\n")
+    todo["tile, row range known at launch (timing only)"] = (known, {"tile": True})
+    todo["tile, row range known at launch, no signal (timing only)"] = (known, {"tile": True, "signal": False})
     for spec in a.ptx:
         name, _, rest = spec.partition("=")
         path, _, shape = rest.partition("@")      # NAME=FILE[@GRIDxTHREADS] (GRID 0: the launcher's own)
