@@ -97,6 +97,19 @@ __device__ __forceinline__ void st16(uint4* p, uint4 v) {   // st.global: dst ma
 #endif
 }
 
+// Thread t's vectors v0, v0 + ntid, ... (VPT of them, those below v1) of a row: loaded into
+// x, and stored from it.
+__device__ __forceinline__ void load_vecs(uint4 (&x)[VPT], const uint4* src, int v0, int v1) {
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+        if (v0 + j * (int)blockDim.x < v1) x[j] = ld16(src + v0 + j * blockDim.x);
+}
+__device__ __forceinline__ void store_vecs(uint4* dst, const uint4 (&x)[VPT], int v0, int v1) {
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+        if (v0 + j * (int)blockDim.x < v1) st16(dst + v0 + j * blockDim.x, x[j]);
+}
+
 // Thread t copies vectors t, t+ntid, ... (VPT of them) of the tile blockIdx.x.
 extern "C" __global__ void __launch_bounds__(MAXT) p3peer_copy(uint4* __restrict__ dst,
                                                              const uint4* __restrict__ src, u64 nvec)
@@ -163,9 +176,7 @@ extern "C" __global__ void __launch_bounds__(MAXT) p3peer_scatter(
     const int v0 = chunk * cta_vecs + threadIdx.x, v1 = min(nv, (chunk + 1) * cta_vecs);
     const uint4* src = (const uint4*)((const char*)c + (u64)row * c_row_stride);
     uint4 x[VPT];
-#pragma unroll
-    for (int j = 0; j < VPT; ++j)                 // loads first: the resolve hides under them
-        if (v0 + j * (int)blockDim.x < v1) x[j] = ld16(src + v0 + j * blockDim.x);
+    load_vecs(x, src, v0, v1);                    // loads first: the resolve hides under them
     int e, p;
     u32 m;
     __shared__ u64 s_dst;
@@ -180,11 +191,8 @@ extern "C" __global__ void __launch_bounds__(MAXT) p3peer_scatter(
     e = s_e, p = s_p, m = s_m;
     const bool first = chunk == 0 && threadIdx.x == 0;      // counts the row once
     if (diag && first && p < 0) atomicAdd(diag + (m ? 0 : 1), 1u);
-    if (dst) {
-#pragma unroll
-        for (int j = 0; j < VPT; ++j)
-            if (v0 + j * (int)blockDim.x < v1) st16(dst + v0 + j * blockDim.x, x[j]);
-    }
+    if (dst)
+        store_vecs(dst, x, v0, v1);
     if (!state) return;
     __syncthreads();                              // every thread's stores before thread 0's release
     if (threadIdx.x != 0) return;
@@ -220,15 +228,10 @@ extern "C" __global__ void __launch_bounds__(MAXT) p3peer_rows(const u64* __rest
     for (int ri = rb * rows_per_cta; ri < r1; ++ri) {
         const uint4* src = (const uint4*)((const char*)c + (u64)ri * c_row_stride);
         uint4 x[VPT];
-#pragma unroll
-        for (int j = 0; j < VPT; ++j)
-            if (v0 + j * (int)blockDim.x < v1) x[j] = ld16(src + v0 + j * blockDim.x);
+        load_vecs(x, src, v0, v1);
         uint4* dst = (uint4*)__ldg(row_dst + ri);
-        if (dst) {
-#pragma unroll
-            for (int j = 0; j < VPT; ++j)
-                if (v0 + j * (int)blockDim.x < v1) st16(dst + v0 + j * blockDim.x, x[j]);
-        }
+        if (dst)
+            store_vecs(dst, x, v0, v1);
     }
     if (!done) return;
     __syncthreads();                              // every thread's stores before thread 0's release
