@@ -68,8 +68,8 @@ class Timer:
 
     ``hold``: ``run`` first enqueues a one-thread kernel that holds the stream for 2 ms + 50
     us per iteration, so the host has enqueued every timed launch before the GPU reaches
-    them and no event pair can include the host's launch path (a check: at the decode size
-    it changes nothing, docs/PERF.md)."""
+    them and no event pair can include the host's launch path (``interleaved`` always
+    holds)."""
 
     HOLD_NS, HOLD_NS_PER_ITER = 2_000_000, 50_000
 
@@ -101,13 +101,16 @@ class Timer:
 
     def interleaved(self, fns: dict, rounds: int, per_round: int, warmup: int) -> dict:
         """Every contender of ``fns`` (name -> fn(i)) timed in turns: ``rounds`` rounds of
-        ``per_round`` launches each, the order rotated every round, so slow drifts of the
-        GPU (clocks, power, temperature) fall on every contender alike. Each round is held
-        (as ``hold``) until all its launches are enqueued, so a short kernel's timing never
-        includes the host's turn from one contender to the next. ``fn(i)`` gets the count of
-        launches made before it (all contenders), so inputs rotated by ``i`` were last
-        touched as many launches ago whoever ran before. Returns name -> the median, min and
-        max over all its launches."""
+        ``per_round`` launches each, the order shuffled every round (seeded), so slow drifts
+        of the GPU (clocks, power, temperature) fall on every contender alike and no
+        contender always follows the same one. Each
+        round is held (as ``hold``) until all its launches are enqueued, so a short kernel's
+        timing never includes the host's turn from one contender to the next. ``fn(i)`` gets
+        the count of launches made before it (all contenders), so inputs rotated by ``i``
+        were last touched as many launches ago whoever ran before. Returns name -> the
+        median, min and max over all its launches."""
+        import random
+        shuffle = random.Random(0).shuffle
         names = list(fns)
         for n in names:
             for i in range(warmup):
@@ -116,8 +119,9 @@ class Timer:
         times = {n: [] for n in names}
         made = 0
         events = [(driver.Event(), driver.Event()) for _ in range(per_round * len(names))]
-        for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+        for _ in range(rounds):
+            order = list(names)
+            shuffle(order)
             marks = []
             self._hold(len(events))
             for n in order:
@@ -242,9 +246,13 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
     slot = (src[:, 0].astype(np.uint64) * np.uint64(a.top_k) + src[:, 1].astype(np.uint64)) * np.uint64(msg)
     row_dsts = [driver.DeviceBuffer.from_array(np.array([b.ptr for b in recvs[i]], np.uint64)[dst] + slot)
                 for i in range(sets)]
+    # its control: row r -> row r of the copy's destination (the same kernel, the copy's order)
+    ident_dsts = [driver.DeviceBuffer.from_array(dsts[i].ptr + np.arange(rows, dtype=np.uint64) * np.uint64(msg))
+                  for i in range(sets)]
     best = {}
     found, peers_skipped = time_peers(timer, sends, (dsts, cs, nbytes), n_experts=a.experts, dev=dev,
-                                      iters=a.iters, warmup=a.warmup, ceiling=(row_dsts, cs, rows, msg), best=best)
+                                      iters=a.iters, warmup=a.warmup, ceiling=(row_dsts, cs, rows, msg, ident_dsts),
+                                      best=best)
     # the table's figures: every contender's fastest shape timed in turns with the send
     fns = {"p3_scatter_send": send, "send_identity_routing": lambda i: sender.launch(s, iblks[i % sets]),
            "d2d_copy": lambda i: driver.memcpy_dtod(dsts[i % sets].ptr, cs[i % sets].ptr, nbytes, s)}
@@ -253,7 +261,7 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
     for k, v in turns.items():
         res[k] = dict(v, **{x: found[k][x] for x in ("config", "variant", "variants") if k in found})
     close_peers(peer for _, peer in best.values())
-    for b in row_dsts:
+    for b in row_dsts + ident_dsts:
         b.free()
     for d in dsts:
         d.free()
@@ -308,15 +316,15 @@ def bench_decode(a, dev, rng, out: dict) -> None:
     world = world_case(n_ranks=a.ranks, tokens=a.decode_tokens, top_k=a.top_k, n_local=a.experts,
                        hidden=a.hidden, seed=int(rng.integers(1 << 31)))
     comb = Combine(a.ranks, max_tokens=a.decode_tokens, top_k=a.top_k, hidden=a.hidden,
-                   n_local_experts=a.experts, device=dev, stamps=False)
+                   n_local_experts=a.experts, device=dev, stamps=False, guard=True)
     comb.load_world(world)
     comb.round()                                  # verified path once before timing
     graph = comb.capture()
-    timer = Timer(comb.origin, hold=a.hold)
+    timer = Timer(comb.origin, hold=True)
     fns = {"round": lambda i: graph.launch(comb.origin)}
-    bufs = []
+    keep = []
     try:
-        ceiling = round_ceiling(a, dev, comb, world, timer, bufs)
+        ceiling = round_ceiling(a, dev, comb, world, timer, keep)
         fns.update(ceiling.pop("fns"))
         turns = timer.interleaved(fns, rounds=a.iters, per_round=4, warmup=a.warmup)
         t = turns.pop("round")
@@ -324,8 +332,8 @@ def bench_decode(a, dev, rng, out: dict) -> None:
         ceiling["matches_round"] = ceiling.pop("check")()
         ceiling.update(turns)
     finally:
-        for b in bufs:
-            b.free()
+        for x in reversed(keep):
+            x.free() if isinstance(x, driver.DeviceBuffer) else x.close()
     rows = sum(len(d.c) for d in world.ranks)
     msg = 2 * a.hidden
     moved = 2 * rows * msg + a.ranks * a.decode_tokens * (a.top_k + 1) * msg   # send r+w, reduce r+w
@@ -344,21 +352,29 @@ def bench_decode(a, dev, rng, out: dict) -> None:
     comb.close()
 
 
-def round_ceiling(a, dev, comb, world, timer, bufs: list) -> dict:
+def round_ceiling(a, dev, comb, world, timer, keep: list) -> dict:
     """The decode round's ceilings, for timing in turns with the round. "round ceiling": every
     rank's rows copied to their slots of the round's receive buffers by the scatter ceiling
     (destinations precomputed, one launch for all ranks, no signal), then the reduce ceiling
     over every rank's tokens (one launch, no wait) into buffers of its own. "round ceiling
-    per rank, signalled": the round's own launches with those kernels (per rank a signalled
-    scatter of its rows on its stream, or the scatter then a publish kernel; after every
-    rank's scatter, each rank's reduce), its best scatter shape. Returns the shapes found,
-    "fns" (those, each half alone and the round's sends alone, for ``Timer.interleaved``) and
-    "check" (after the timings: do the ceiling's outputs equal the round's, byte for byte);
-    its buffers go to ``bufs`` (the caller frees them)."""
+    per rank, signalled": the round's structure with those kernels (per rank, on its stream,
+    a signalled scatter ceiling of its rows, or the scatter then a publish kernel; after every
+    rank's scatter, each rank's reduce), the scatter's shape and signal swept, then the
+    reduce's. Before timing, each scatter's receive buffers (sentinel-filled) are checked
+    byte for byte against the oracle. Returns the shapes found, "scatter_exact", "fns"
+    (those, each half alone and the round's sends alone, for ``Timer.interleaved``) and
+    "check" (after the timings: do the reduce ceilings' outputs equal the round's, byte for
+    byte). Everything it creates goes to ``keep`` (the caller frees or closes it)."""
+    from ..abi.layout import SENTINEL
+    from ..oracle.cases import check_world
     from .peers import REDUCE_VARIANTS, ROWS_VARIANTS, PeerUnavailable, ReduceCeiling, RowsCopy
+
+    def kept(x):
+        keep.append(x)
+        return x
     msg = 2 * a.hidden
     counts = [len(d.c) for d in world.ranks]
-    allc = driver.DeviceBuffer(sum(counts) * msg)
+    allc = kept(driver.DeviceBuffer(sum(counts) * msg))
     dst, at = [], 0
     for r, d in enumerate(world.ranks):
         driver.memcpy_dtod(allc.ptr + at * msg, comb.c[r].ptr, counts[r] * msg, comb.origin)
@@ -366,59 +382,67 @@ def round_ceiling(a, dev, comb, world, timer, bufs: list) -> dict:
         src = d.row_src.astype(np.uint64)      # (source rank, token, k): the slot's owner is the source rank
         base = np.array([comb.recv_ptr(p) for p in range(a.ranks)], np.uint64)
         dst.append(base[src[:, 0]] + (src[:, 1] * np.uint64(a.top_k) + src[:, 2]) * np.uint64(msg))
-    row_dst = driver.DeviceBuffer.from_array(np.concatenate(dst))
-    outs = [driver.DeviceBuffer(a.decode_tokens * msg) for _ in range(a.ranks)]
-    bufs.extend([allc, row_dst, *outs])
+    row_dst = kept(driver.DeviceBuffer.from_array(np.concatenate(dst)))
+    outs = [kept(driver.DeviceBuffer(a.decode_tokens * msg)) for _ in range(a.ranks)]
     s = comb.origin
     R = range(a.ranks)
+    first = np.concatenate([[0], np.cumsum(counts)])
+    streams, sent = [kept(driver.Stream()) for _ in R], [kept(driver.Event(timing=False)) for _ in R]
 
     def reduce_of(k, ranks):
         return k.prepare([comb.recv_ptr(r) for r in ranks], [comb.topk_idx[r] for r in ranks],
                          [comb.weights[r] for r in ranks], [outs[r] for r in ranks], tokens=a.decode_tokens,
                          top_k=a.top_k, msg_bytes=msg, n_global=a.experts * a.ranks)
-    try:
-        def best(make, prepare, variants):
-            per = {}
-            for v in variants:
-                k = make(*v)
-                launch = prepare(k)
-                per[k.config] = (timer.run(lambda i: launch(s), a.iters, a.warmup)["median_us"], launch, v)
-            name = min(per, key=lambda x: per[x][0])
-            return name, per[name][1], per[name][2], {x: round(y[0], 2) for x, y in per.items()}
-        rows_cfg, rows_l, rows_v, rows_var = best(lambda t, v, n=1: RowsCopy(device=dev, threads=t, vpt=v,
-                                                                               rows_per_cta=n),
-                                                  lambda k: k.prepare(row_dst, allc, sum(counts), msg), ROWS_VARIANTS)
-        red_cfg, red_l, red_v, red_var = best(lambda t, v: ReduceCeiling(device=dev, threads=t, vpt=v),
-                                              lambda k: reduce_of(k, R), REDUCE_VARIANTS)
-        # the round's own structure with the ceiling kernels: per rank a signalled scatter of
-        # its rows on its stream, then per rank (after every rank's scatter) its reduce; the
-        # scatter's shapes swept again in this structure
-        red = ReduceCeiling(device=dev, threads=red_v[0], vpt=red_v[1])
-        streams, sent = [driver.Stream() for _ in R], [driver.Event(timing=False) for _ in R]
-        first = np.concatenate([[0], np.cumsum(counts)])
-        graphs, signalled = {}, []
-        for v, sig in [(v, True) for v in ROWS_VARIANTS] + [(rows_v, "kernel")]:
-            ks = [RowsCopy(device=dev, threads=v[0], vpt=v[1], rows_per_cta=v[2] if len(v) > 2 else 1, signal=sig)
-                  for _ in R]
-            signalled += ks
-            with driver.Graph.capture(s, streams) as cap:
-                for r in R:
-                    ks[r].prepare(row_dst.ptr + 8 * int(first[r]), comb.c[r], counts[r], msg)(streams[r])
-                    sent[r].record(streams[r])
-                for r in R:
-                    for p in R:
-                        if p != r:
-                            streams[r].wait(sent[p])
-                    reduce_of(red, [r])(streams[r])
-            g = cap.graph
-            graphs[ks[0].config] = (timer.run(lambda i, g=g: g.launch(s), a.iters, a.warmup)["median_us"], g, ks)
-        per_rank_cfg = min(graphs, key=lambda x: graphs[x][0])
-        graph, ks = graphs[per_rank_cfg][1:]
-        with driver.Graph.capture(s, streams) as cap:     # its scatters alone
+
+    def per_rank(ks, red, with_reduce=True):   # the round's structure, captured
+        with driver.Graph.capture(s, streams) as cap:
             for r in R:
                 ks[r].prepare(row_dst.ptr + 8 * int(first[r]), comb.c[r], counts[r], msg)(streams[r])
-        scatters = cap.graph
-        sends = comb.capture(receive=False)               # and the round's sends alone
+                sent[r].record(streams[r])
+            for r in R if with_reduce else ():
+                for p in R:
+                    if p != r:
+                        streams[r].wait(sent[p])
+                reduce_of(red, [r])(streams[r])
+        return kept(cap.graph)
+
+    def fastest(options):   # {label: launch(stream)} -> (label, launch, {label: median})
+        per = {k: timer.run(lambda i, f=f: f(s), a.iters, a.warmup)["median_us"] for k, f in options.items()}
+        name = min(per, key=per.get)
+        return name, options[name], {k: round(v, 2) for k, v in per.items()}
+
+    def scatter_exact(launch):   # sentinel-filled receive buffers, the scatter alone, the oracle's bytes
+        for r in R:
+            comb.recv_alloc[r].fill(SENTINEL)
+        launch(s)
+        s.synchronize()
+        return check_world(world, lambda r: comb.recv_view(r, with_guard=True), comb.output, guard=comb.guard,
+                           recv_bytes=comb.recv_bytes) or True
+    try:
+        def shape(v):
+            return dict(threads=v[0], vpt=v[1], rows_per_cta=v[2] if len(v) > 2 else 1)
+        rows_ks = {}
+        for v in ROWS_VARIANTS:
+            k = kept(RowsCopy(device=dev, **shape(v)))
+            rows_ks[k.config] = (k.prepare(row_dst, allc, sum(counts), msg), v)
+        rows_cfg, rows_l, rows_var = fastest({k: x[0] for k, x in rows_ks.items()})
+        reds = {}
+        for v in REDUCE_VARIANTS:
+            k = ReduceCeiling(device=dev, threads=v[0], vpt=v[1])
+            reds[k.config] = (k, reduce_of(k, R))
+        red_cfg, red_l, red_var = fastest({k: x[1] for k, x in reds.items()})
+        # per rank: the scatter's shape and signal swept with the fastest reduce, then the reduce's shape
+        graphs, sets = {}, {}
+        for v, sig in [(v, True) for v in ROWS_VARIANTS] + [(rows_ks[rows_cfg][1], "kernel")]:
+            ks = [kept(RowsCopy(device=dev, signal=sig, **shape(v))) for _ in R]
+            graphs[ks[0].config], sets[ks[0].config] = per_rank(ks, reds[red_cfg][0]).launch, ks
+        sc_cfg, _, sc_var = fastest(graphs)
+        graphs = {f"{sc_cfg}; reduce {k}": per_rank(sets[sc_cfg], x[0]).launch for k, x in reds.items()}
+        per_rank_cfg, per_rank_l, red_var_rank = fastest(graphs)
+        scatters = per_rank(sets[sc_cfg], None, with_reduce=False)
+        sends = kept(comb.capture(receive=False))               # and the round's sends alone
+        exact = {"one launch": scatter_exact(rows_l), "per rank": scatter_exact(scatters.launch)}
+        comb.round()                                            # the round's bytes back in place
     except PeerUnavailable as e:
         return {"skipped": str(e), "fns": {}, "check": lambda: None}
 
@@ -428,18 +452,13 @@ def round_ceiling(a, dev, comb, world, timer, bufs: list) -> dict:
 
     def check():
         s.synchronize()
-        same = all(np.array_equal(outs[r].download(np.uint16), comb.output(r).reshape(-1)) for r in R)
-        for g in [x[1] for x in graphs.values()] + [scatters, sends]:
-            g.close()
-        for x in signalled + streams + sent:
-            x.close()
-        return same
+        return all(np.array_equal(outs[r].download(np.uint16), comb.output(r).reshape(-1)) for r in R)
     return {"scatter_config": rows_cfg, "scatter_variants": rows_var, "reduce_config": red_cfg,
-            "reduce_variants": red_var, "per_rank_scatter_config": per_rank_cfg,
-            "per_rank_variants": {k: round(x[0], 2) for k, x in graphs.items()}, "check": check,
+            "reduce_variants": red_var, "per_rank_config": per_rank_cfg, "per_rank_scatter_variants": sc_var,
+            "per_rank_reduce_variants": red_var_rank, "scatter_exact": exact, "check": check,
             "fns": {"round ceiling": both, "round ceiling: scatter": lambda i: rows_l(s),
                     "round ceiling: reduce": lambda i: red_l(s),
-                    "round ceiling per rank, signalled": lambda i: graph.launch(s),
+                    "round ceiling per rank, signalled": lambda i: per_rank_l(s),
                     "round ceiling per rank: the scatters": lambda i: scatters.launch(s),
                     "round: the sends": lambda i: sends.launch(s)}}
 
@@ -775,7 +794,7 @@ def table(out: dict) -> str:
         copy_us = p["results"]["d2d_copy"]["median_us"]
         for k, v in p["results"].items():
             cfg = f"   [{v['config']}]" if "config" in v else ""
-            L.append(f"   {k:<24} {v['median_us']:9.1f} us  {v['TBps_rw']:6.2f} TB/s  "
+            L.append(f"   {k:<24} {v['median_us']:9.2f} us  {v['TBps_rw']:6.2f} TB/s  "
                      f"{v['median_us'] / copy_us:6.3f}x{cfg}")
         for k, why in p.get("peers_skipped", {}).items():
             L.append(f"   {k:<24} skipped: {why}")
@@ -800,8 +819,8 @@ def table(out: dict) -> str:
             fl = d["copy_floor_us"]
             for k, what in (("round ceiling", "one scatter launch for every rank's rows, then one reduce"),
                             ("round ceiling: scatter", ""), ("round ceiling: reduce", ""),
-                            ("round ceiling per rank, signalled", "the round's launches: 8 signalled scatters, "
-                                                                  "then 8 reduces"),
+                            ("round ceiling per rank, signalled", "the round's structure: per rank a signalled "
+                                                                  "scatter, then per rank a reduce"),
                             ("round ceiling per rank: the scatters", ""), ("round: the sends", "")):
                 x = c[k]["median_us"]
                 L.append(f"   {k:<34} {x:7.1f} us" + (f"  {x / fl:.2f}x the floor" if fl and what else "")
@@ -809,8 +828,8 @@ def table(out: dict) -> str:
             L.append(f"   round / round ceiling    {d['round_us'] / c['round ceiling']['median_us']:.3f}x, "
                      f"/ per rank, signalled {d['round_us'] / c['round ceiling per rank, signalled']['median_us']:.3f}x"
                      f"   [scatter {c['scatter_config']}, reduce {c['reduce_config']}, per rank "
-                     f"{c['per_rank_scatter_config']}; timed in turns with the round; "
-                     f"outputs equal the round's: {c['matches_round']}]")
+                     f"{c['per_rank_config']}; timed in turns with the round; scatters byte-exact: "
+                     f"{c['scatter_exact']}; reduce outputs equal the round's: {c['matches_round']}]")
     if "signal_latency" in out:
         s, t = out["signal_latency"], out.get("signal_latency_shared")
         L.append(f"\n4. signal latency (last store -> observed, kernels concurrent): median {s['median_us']:.2f} us, "

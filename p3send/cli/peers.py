@@ -213,14 +213,16 @@ extern "C" __global__ void __launch_bounds__(MAXT) p3peer_scatter(
 // Diagnostic only (not the send's job): the same CTA shape with every row's destination
 // precomputed (row_dst[r], 0 = not stored): no resolve, no bounds check. CTA b copies chunk
 // b % chunks of rows_per_cta consecutive rows (one after another), so the grid is
-// ceil(n_rows / rows_per_cta) * chunks. With done != 0, the least signal a correct send
-// needs: after bar.sync thread 0 counts the CTA into done[b % 32] with an acq_rel atomic
-// (the release of the CTA's stores; 32 counters, as many as the send's experts), and the
-// CTA that completes its counter resets it and publishes with a release store into
-// flag[b % 32].
+// ceil(n_rows / rows_per_cta) * chunks. signal 1: the least signal of the send's protocol
+// (a count is published once its rows are all stored): after bar.sync thread 0 counts the CTA
+// into done[b % 32] with an acq_rel atomic (the release of the CTA's stores; 32 counters, as
+// many as the send's experts), and the CTA that completes its counter resets it and
+// publishes with a release store into flag[b % 32]. signal 2, another protocol (receivers
+// that know how many rows to expect, which the ABI's counts do not assume): thread 0 adds
+// the CTA to done[b % 32] with a fire-and-forget release reduction, nothing else.
 extern "C" __global__ void __launch_bounds__(MAXT) p3peer_rows(const u64* __restrict__ row_dst,
     const uint4* __restrict__ c, u64 c_row_stride, int nv, int chunks, int cta_vecs, u32* done, u64* flag,
-    int rows_per_cta, int n_rows)
+    int signal, int rows_per_cta, int n_rows)
 {
     const int rb = blockIdx.x / chunks, chunk = blockIdx.x - rb * chunks;
     const int v0 = chunk * cta_vecs + threadIdx.x, v1 = min(nv, (chunk + 1) * cta_vecs);
@@ -233,10 +235,14 @@ extern "C" __global__ void __launch_bounds__(MAXT) p3peer_rows(const u64* __rest
         if (dst)
             store_vecs(dst, x, v0, v1);
     }
-    if (!done) return;
+    if (!signal) return;
     __syncthreads();                              // every thread's stores before thread 0's release
     if (threadIdx.x != 0) return;
     const u32 q = blockIdx.x & 31, total = (gridDim.x - q + 31) / 32;
+    if (signal == 2) {
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(done + q) : "memory");
+        return;
+    }
     u32 old;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(done + q) : "memory");
     if (old + 1 != total) return;
@@ -564,37 +570,55 @@ class SMCopy:
 class RowsCopy(SMCopy):
     """The scatter ceiling: ``p3peer_rows``, the CUDA C++ peer's CTA shape copying every row
     of C to its precomputed destination (``row_dst[r]``, u64 on the device): no routing, no
-    bounds check. What no kernel writing the same slots from the same rows beats. With
-    ``signal``, the least signal a correct send needs (one release per CTA into one of 32
-    counters, the last CTA of each publishing a flag): what no signalled send beats."""
+    bounds check. What no kernel of its family writing the same slots from the same rows
+    beats. ``signal``: False; True, the least signal of the send's protocol (one release per
+    CTA into one of 32 counters, the last CTA of each publishing a flag); "kernel", that
+    order by the kernel boundary (the copy, then ``p3peer_publish`` setting the 32 flags);
+    "red", another protocol's (one fire-and-forget release reduction per CTA, for receivers
+    that know how many rows to expect)."""
+
+    SIGNALS = {False: 0, True: 1, "kernel": 0, "red": 2}
 
     def __init__(self, *, device: driver.Device | None = None, threads: int = 256, vpt: int = 1,
                  rows_per_cta: int = 1, signal: bool | str = False):
+        if signal not in self.SIGNALS:
+            raise ConfigError([f"signal: expected one of {list(self.SIGNALS)}, got {signal!r}"], "scatter ceiling")
         super().__init__(device=device, threads=threads, vpt=vpt)
         mod, _ = _cuda_module(self.dev.ordinal, f"sm_{self.dev.cc[0]}{self.dev.cc[1]}", threads, vpt)
         self.func = driver.get_function(mod, "p3peer_rows")
         self.publish = driver.get_function(mod, "p3peer_publish") if signal == "kernel" else None
+        self.signal = signal
         self.rows_per_cta = max(1, int(rows_per_cta))
         self.state = driver.DeviceBuffer(32 * 4 + 32 * 8, fill=0) if signal else None   # u32 done[32], u64 flag[32]
         if self.rows_per_cta > 1:
             self.config = self.config.replace(" (", f", {self.rows_per_cta} rows/CTA (", 1)
-        if signal:
-            self.config += ", then a publish kernel" if self.publish else ", signalled"
+        self.config += {False: "", True: ", signalled", "kernel": ", then a publish kernel",
+                        "red": ", release reductions"}[signal]
 
     def prepare(self, row_dst, c, rows: int, msg_bytes: int):
         """The launch (a callable taking a stream): with ``signal="kernel"``, p3peer_rows
         without its signal, then p3peer_publish setting the 32 flags."""
+        problems = []
+        if rows < 0:
+            problems.append(f"rows: expected >= 0, got {rows}")
+        if msg_bytes <= 0 or msg_bytes % 16:
+            problems.append(f"msg_bytes: expected a positive multiple of 16, got {msg_bytes}")
+        if driver.device_ptr(c, "c") % 16:
+            problems.append("c: expected a 16-byte aligned address")
+        if problems:
+            raise ConfigError(problems, "scatter ceiling")
         chunks, cta_vecs, block = _tile(msg_bytes // 16, self.threads, self.vpt)
-        done = self.state.ptr if self.state is not None and self.publish is None else 0
+        done = self.state.ptr if self.state is not None else 0
         u64, i32 = ctypes.c_uint64, ctypes.c_int32
         grid = -(-rows // self.rows_per_cta) * chunks
         copy = Launch(self.func, "p3peer_rows", grid, block, 0,
                       [u64(driver.device_ptr(row_dst, "row_dst")), u64(driver.device_ptr(c, "c")),
                        u64(msg_bytes), i32(msg_bytes // 16), i32(chunks), i32(cta_vecs), u64(done),
-                       u64(done + 128 if done else 0), i32(self.rows_per_cta), i32(rows)])
+                       u64(done + 128 if done else 0), i32(self.SIGNALS[self.signal]), i32(self.rows_per_cta),
+                       i32(rows)])
         if self.publish is None:
             return copy
-        publish = Launch(self.publish, "p3peer_publish", 1, 32, 0,
+        publish = Launch(self.publish, "p3peer_publish", 1 if grid else 0, 32, 0,
                          [u64(self.state.ptr + 128), i32(32), u64(grid)])
 
         def both(stream):
@@ -796,9 +820,10 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
     reports its fastest. Returns (rows, skipped): rows {"Triton scatter peer" | "CUDA C++
     scatter peer" | "SM copy ceiling": the Timer's result + "config" (the fastest variant, in
     words), "variant" (its tuple) and "variants" (every variant's median)}, skipped {row
-    name: reason}. ceiling: (row_dsts, cs, n_rows, msg_bytes), one row_dst table per set, adds
-    the "scatter ceiling", "signalled scatter ceiling" and "scatter ceiling, then a publish
-    kernel" rows (RowsCopy). best: a dict to
+    name: reason}. ceiling: (row_dsts, cs, n_rows, msg_bytes, identity_dsts), one row_dst
+    table per set (and one writing row r to row r of the copy's destination), adds the
+    RowsCopy rows: the scatter ceiling, its identity-destination control, and its three
+    signals. best: a dict to
     receive, per row, (fn(i) launching the fastest variant on the timer's stream, its peer)
     for a timing in turns; the caller then closes those peers (``close_peers``)."""
     rows, skipped = {}, {}
@@ -817,13 +842,15 @@ def time_peers(timer, sends: list, copy: tuple, *, n_experts: int, dev, iters: i
         ("SM copy ceiling", COPY_VARIANTS, lambda t, v, h=0: SMCopy(device=dev, threads=t, vpt=v, hint=h),
          lambda peer, i: peer.prepare(dsts[i], srcs[i], nbytes), len(dsts)))
     if ceiling is not None:
-        row_dsts, cs, n_rows, msg = ceiling
-        for label, sig in (("scatter ceiling (destinations precomputed)", False),
-                           ("signalled scatter ceiling", True),
-                           ("scatter ceiling, then a publish kernel", "kernel")):
+        row_dsts, cs, n_rows, msg, ident = ceiling
+        for label, sig, tables in (("scatter ceiling (destinations precomputed)", False, row_dsts),
+                                   ("scatter ceiling, identity destinations (control)", False, ident),
+                                   ("signalled scatter ceiling", True, row_dsts),
+                                   ("scatter ceiling, then a publish kernel", "kernel", row_dsts),
+                                   ("scatter ceiling, release reductions (another protocol)", "red", row_dsts)):
             contestants += ((label, ROWS_VARIANTS,
                              lambda t, v, n=1, sig=sig: RowsCopy(device=dev, threads=t, vpt=v, rows_per_cta=n, signal=sig),
-                             lambda peer, i: peer.prepare(row_dsts[i], cs[i], n_rows, msg), len(row_dsts)),)
+                             lambda peer, i, tables=tables: peer.prepare(tables[i], cs[i], n_rows, msg), len(tables)),)
     for label, vs, make, prepare, n_sets in contestants:
         per = {}
         for v in vs[: None if variants else 1]:
