@@ -224,7 +224,6 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
     def send(i):   # the signal is on (counts are overwritten; only receivers need them re-armed)
         sender.launch(s, blocks[i % sets])
 
-    res = {"p3_scatter_send": timer.run(send, a.iters, a.warmup)}
     # Diagnostic: the same kernel and bytes with identity routing (row r -> slot r of one
     # buffer, in order) separates the cost of the scatter pattern from the kernel's own. It
     # reads and writes the copy's buffers (rotated alike: neither stays in L2).
@@ -238,9 +237,6 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
                            range_table=ident_tab, src_info=ident_src)
         iblks.append(sender.prepare(icfg, cs[i], offs, expert_offsets_host=off, count_ptrs=counts[:1],
                                     rows_in_c=rows, same_gpu=True, into=sender.k.params_block()))
-    res["send_identity_routing"] = timer.run(lambda i: sender.launch(s, iblks[i % sets]), a.iters, a.warmup)
-    res["d2d_copy"] = timer.run(lambda i: driver.memcpy_dtod(dsts[i % sets].ptr, cs[i % sets].ptr, nbytes, s),
-                                a.iters, a.warmup)
     from .peers import close_peers, time_peers   # the fair peers; bench-only code
     # the scatter ceiling's destinations: row r -> its rank's receive buffer, slot (src_idx, src_topk)
     slot = (src[:, 0].astype(np.uint64) * np.uint64(a.top_k) + src[:, 1].astype(np.uint64)) * np.uint64(msg)
@@ -258,8 +254,8 @@ def bench_send(a, dev, rng, torch, copy_stream: driver.Stream, tokens: int, *, b
            "d2d_copy": lambda i: driver.memcpy_dtod(dsts[i % sets].ptr, cs[i % sets].ptr, nbytes, s)}
     fns.update({k: fn for k, (fn, _) in best.items()})
     turns = timer.interleaved(fns, rounds=max(4, a.iters // 2), per_round=4, warmup=a.warmup)
-    for k, v in turns.items():
-        res[k] = dict(v, **{x: found[k][x] for x in ("config", "variant", "variants") if k in found})
+    res = {k: dict(v, **{x: found[k][x] for x in ("config", "variant", "variants") if k in found})
+           for k, v in turns.items()}
     close_peers(peer for _, peer in best.values())
     for b in row_dsts + ident_dsts:
         b.free()
@@ -366,7 +362,7 @@ def round_ceiling(a, dev, comb, world, timer, keep: list) -> dict:
     "check" (after the timings: do the reduce ceilings' outputs equal the round's, byte for
     byte). Everything it creates goes to ``keep`` (the caller frees or closes it)."""
     from ..abi.layout import SENTINEL
-    from ..oracle.cases import check_world
+    from ..oracle.cases import check_world, world_row_dst
     from .peers import REDUCE_VARIANTS, ROWS_VARIANTS, PeerUnavailable, ReduceCeiling, RowsCopy
 
     def kept(x):
@@ -375,14 +371,13 @@ def round_ceiling(a, dev, comb, world, timer, keep: list) -> dict:
     msg = 2 * a.hidden
     counts = [len(d.c) for d in world.ranks]
     allc = kept(driver.DeviceBuffer(sum(counts) * msg))
-    dst, at = [], 0
-    for r, d in enumerate(world.ranks):
+    at = 0
+    for r in range(a.ranks):
         driver.memcpy_dtod(allc.ptr + at * msg, comb.c[r].ptr, counts[r] * msg, comb.origin)
         at += counts[r]
-        src = d.row_src.astype(np.uint64)      # (source rank, token, k): the slot's owner is the source rank
-        base = np.array([comb.recv_ptr(p) for p in range(a.ranks)], np.uint64)
-        dst.append(base[src[:, 0]] + (src[:, 1] * np.uint64(a.top_k) + src[:, 2]) * np.uint64(msg))
-    row_dst = kept(driver.DeviceBuffer.from_array(np.concatenate(dst)))
+    bases = [comb.recv_ptr(p) for p in range(a.ranks)]
+    row_dst = kept(driver.DeviceBuffer.from_array(np.concatenate([world_row_dst(world, r, bases)
+                                                                  for r in range(a.ranks)])))
     outs = [kept(driver.DeviceBuffer(a.decode_tokens * msg)) for _ in range(a.ranks)]
     s = comb.origin
     R = range(a.ranks)

@@ -385,6 +385,15 @@ def world_recv_expected(world: World, rank: int, base: np.ndarray) -> np.ndarray
     return out
 
 
+def world_row_dst(world: World, owner: int, bases) -> np.ndarray:
+    """Where each of ``owner``'s C rows is stored, uint64 (rows,): ``bases[rank]`` (the receive
+    buffer address of each rank) of the row's source rank plus its slot (token*top_k + k) *
+    msg_bytes."""
+    src = world.ranks[owner].row_src.astype(np.uint64)
+    slot = src[:, 1] * np.uint64(world.top_k) + src[:, 2]
+    return np.asarray(bases, np.uint64)[src[:, 0]] + slot * np.uint64(world.msg_bytes)
+
+
 def world_counts_expected(world: World, rank: int) -> np.ndarray:
     """rank's receive counts after a round: [e*n_ranks + o] = rows owner o's local expert e sent to rank."""
     cnt = np.zeros(world.n_local * world.n_ranks, dtype=np.uint64)

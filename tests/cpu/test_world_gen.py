@@ -7,7 +7,7 @@ import pytest
 
 from p3send.abi.layout import SENTINEL, decode_range_table
 from p3send.oracle import reference as ref
-from p3send.oracle.cases import check_world, choose_experts, world_case, world_recv_expected
+from p3send.oracle.cases import check_world, choose_experts, world_case, world_recv_expected, world_row_dst
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -60,6 +60,21 @@ def test_world_invariants_against_a_per_row_loop(kw):
         assert d.expert_offsets[-1] == len(want) and (d.src_info == d.row_src[:, 1:]).all()
         vals = ref.bf16_to_f32(d.c)
         assert d.c.shape == (len(want), w.hidden) and np.isfinite(vals).all() and (vals != 0).all()
+
+
+def test_world_row_dst_stores_what_world_recv_expected_says():
+    """Rows stored at world_row_dst's addresses (receive buffers laid end to end in one host
+    array) give every rank the buffer world_recv_expected builds."""
+    w = world_case(n_ranks=3, tokens=20, top_k=3, n_local=2, hidden=24, seed=5, masked=0.2)
+    size = w.tokens * w.top_k * w.msg_bytes
+    mem = np.full(w.n_ranks * size, SENTINEL, np.uint8)
+    bases = [r * size for r in range(w.n_ranks)]
+    for o, d in enumerate(w.ranks):
+        for row, at in enumerate(world_row_dst(w, o, bases).tolist()):
+            mem[at:at + w.msg_bytes] = d.c[row].view(np.uint8)
+    for r in range(w.n_ranks):
+        want = world_recv_expected(w, r, np.full(size, SENTINEL, np.uint8))
+        assert np.array_equal(mem[bases[r]:bases[r] + size], want), r
 
 
 def test_reference_reduce_is_the_per_row_sum():

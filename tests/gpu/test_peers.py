@@ -40,7 +40,7 @@ def test_round_ceiling_kernels(dev):
     from p3send.cli.peers import PeerUnavailable, ReduceCeiling, RowsCopy
     from p3send.cuda import driver
     from p3send.ops.combine import Combine
-    from p3send.oracle.cases import world_case, world_recv_expected
+    from p3send.oracle.cases import world_case, world_recv_expected, world_row_dst
     world = world_case(n_ranks=4, tokens=48, top_k=6, n_local=3, hidden=2056, seed=fresh_seed("round ceiling"),
                        masked=0.1)
     msg, R, n_global = world.msg_bytes, world.n_ranks, world.n_local * world.n_ranks
@@ -69,9 +69,7 @@ def test_round_ceiling_kernels(dev):
             for b in recv:
                 b.fill(SENTINEL)
             for r, d in enumerate(world.ranks):
-                src = d.row_src.astype(np.uint64)
-                row_dst = driver.DeviceBuffer.from_array(base[src[:, 0]] + (src[:, 1] * np.uint64(world.top_k)
-                                                                            + src[:, 2]) * np.uint64(msg))
+                row_dst = driver.DeviceBuffer.from_array(world_row_dst(world, r, base))
                 bufs.append(row_dst)
                 if rows.state is not None:
                     rows.state.fill(0)
