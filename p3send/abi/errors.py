@@ -73,6 +73,12 @@ class NoDeviceError(P3SendError, RuntimeError):
     """No CUDA driver or no usable GPU on this machine (tests skip on this)."""
 
 
+class InputFileError(P3SendError, ValueError):
+    """A file given by the user cannot be read as asked: not a regular file (a folder, a
+    FIFO, a device), larger than the reader's cap, not UTF-8 text, or nested deeper
+    than the parser allows. The message names the path and what was wrong."""
+
+
 class ParamMismatchError(P3SendError):
     """A kernel's parameter layout reported by the driver differs from its documented table."""
 
