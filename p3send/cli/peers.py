@@ -42,7 +42,7 @@ import numpy as np
 from ..abi.config import P3PeerSendConfig
 from ..abi.errors import ConfigError, P3SendError
 from ..cuda import driver
-from ..ops.send import _send_args
+from ..ops.send import send_args
 
 try:
     import triton
@@ -443,7 +443,7 @@ class _ScatterPeer:
         self.n_experts, self.threads, self.vpt = int(n_experts), threads, vpt
         self.state = driver.DeviceBuffer(36 * self.n_experts, fill=0)   # u32 done[E], u32 pair[E][8]
         self.diag = driver.DeviceBuffer(8, fill=0)
-        self._offs_buf = None
+        self.offsets_buf = driver.DeviceBuffer(4 * (self.n_experts + 1))
         self.last: Launch | None = None
         self.grid = 0
 
@@ -460,8 +460,10 @@ class _ScatterPeer:
         cap = rows_in_c
         if cap is None and nb is not None and stride:
             cap = (nb - cfg.msg_bytes) // stride + 1 if nb >= cfg.msg_bytes else 0
-        problems, offs_addr, peers, _ = _send_args(self, cfg, expert_offsets, host, cap, count_ptrs,
-                                                   row_cache, p3_control, True)
+        sa = send_args(cfg, expert_offsets, n_experts=self.n_experts, ordinal=self.dev.ordinal, host_offsets=host,
+                       rows_cap=cap, count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control,
+                       same_gpu=True, staging=self.offsets_buf)
+        problems, offs_addr, peers = sa.problems, sa.expert_offsets, sa.count_ptrs
         if row_cache:
             problems.append("row_cache: the peers do not implement the row cache")
         if cfg.send_stamp_on or cfg.trace_on:
@@ -510,7 +512,7 @@ class _ScatterPeer:
         return {"dropped": int(d[0]), "unrouted": int(d[1]), "rejected": False}
 
     def close(self) -> None:
-        for b in (self.state, self.diag, self._offs_buf):
+        for b in (self.state, self.diag, self.offsets_buf):
             if b is not None:
                 b.free()
 

@@ -661,3 +661,57 @@ def captured_if(stream, set_condition) -> _IfBody:
     the condition (``cudaGraphSetConditional``) from device memory: no host value decides
     at replay. The handle resets to 0 (skip) at every graph launch."""
     return _IfBody(as_stream(stream), set_condition)
+
+
+# ---------------------------------------------------------------- tensor maps (TMA descriptors)
+
+#: Element types ``tensor_map`` encodes: name -> (CUtensorMapDataType member, bytes per element).
+TENSOR_MAP_TYPES = {"bfloat16": ("CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 2),
+                    "float8_e4m3": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),
+                    "uint8": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),
+                    "float32": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT32", 4),
+                    "int32": ("CU_TENSOR_MAP_DATA_TYPE_INT32", 4)}
+_SWIZZLES = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B",
+             128: "CU_TENSOR_MAP_SWIZZLE_128B"}
+
+
+def tensor_map(dtype: str, addr: int, dims, box, *, strides=None, swizzle: int = 128,
+               l2_promotion: int = 256) -> bytes:
+    """The 128 bytes of a tiled ``CUtensorMap`` (``cuTensorMapEncodeTiled``) over a
+    row-major array at ``addr``.
+
+    Args:
+        dtype: a key of ``TENSOR_MAP_TYPES`` (e4m3 is encoded as bytes: TMA moves bits).
+        addr: the device address of element 0, 16-byte aligned.
+        dims: elements per dimension, innermost first, e.g. ``(K, rows)``.
+        box: the box (tile) copied per TMA operation, innermost first.
+        strides: bytes between consecutive entries of each outer dimension (default: dense).
+        swizzle: 0, 32, 64 or 128 (bytes of the shared-memory swizzle pattern).
+        l2_promotion: 0, 64, 128 or 256.
+
+    Returns:
+        The descriptor's 128 bytes, to copy into a ``.param`` or 64-byte aligned global memory.
+
+    Raises:
+        ConfigError: an unknown dtype, swizzle or a rank mismatch; CudaError: the driver refused.
+    """
+    if dtype not in TENSOR_MAP_TYPES or swizzle not in _SWIZZLES or len(dims) != len(box) or not 1 <= len(dims) <= 5:
+        raise ConfigError([f"tensor_map: expected a dtype of {sorted(TENSOR_MAP_TYPES)}, a swizzle of "
+                           f"{sorted(_SWIZZLES)} and dims/box of one rank 1..5; got {dtype!r}, {swizzle}, "
+                           f"{tuple(dims)}, {tuple(box)}"], "tensor map")
+    cu = _cu()
+    kind, size = TENSOR_MAP_TYPES[dtype]
+    if strides is None:
+        strides, acc = [], size
+        for d in dims[:-1]:
+            acc *= int(d)
+            strides.append(acc)
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    promo = {0: "NONE", 64: "L2_64B", 128: "L2_128B", 256: "L2_256B"}[l2_promotion]
+    tm = call("cuTensorMapEncodeTiled", getattr(cu.CUtensorMapDataType, kind), len(dims), int(addr),
+              [u64(int(d)) for d in dims], [u64(int(s)) for s in strides], [u32(int(b)) for b in box],
+              [u32(1)] * len(dims), cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+              getattr(cu.CUtensorMapSwizzle, _SWIZZLES[swizzle]),
+              getattr(cu.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{promo}"),
+              cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    return np.asarray(tm.opaque, dtype=np.uint64).tobytes()

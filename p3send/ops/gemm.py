@@ -22,7 +22,7 @@ from ..abi.errors import ConfigError, P3SendError
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel, link, ptx_dir
 from .args import aligned, nbytes
-from .send import _send_args, _Sender
+from .send import SendLauncher
 
 ENTRY = "p3_gemm_send"
 THREADS = 384
@@ -57,20 +57,6 @@ def _size(obj) -> int | None:
     return nbytes(obj)
 
 
-def tensor_map(addr: int, inner: int, outer: int, box_inner: int, box_outer: int) -> bytes:
-    """The 128 bytes of a 2-D bf16 CUtensorMap over rows of ``inner`` elements, 128-byte swizzle."""
-    cu = driver._cu()
-    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-    args = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr,
-            [u64(inner), u64(outer)], [u64(2 * inner)], [u32(box_inner), u32(box_outer)], [u32(1), u32(1)],
-            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    tm = driver.call("cuTensorMapEncodeTiled", *args)
-    return np.asarray(tm.opaque, dtype=np.uint64).tobytes()
-
-
 def require_hopper(dev: driver.Device) -> None:
     if tuple(dev.cc) != (9, 0):
         raise P3SendError(f"{ENTRY} is Hopper-only (PTX .target sm_90a: wgmma, setmaxnreg): it needs compute "
@@ -82,7 +68,7 @@ def _module_text_linked() -> str:
     return (ptx_dir() / f"{ENTRY}.ptx").read_text().replace(".visible .func p3_send_", ".extern .func p3_send_")
 
 
-class GroupedGemmSend(_Sender):
+class GroupedGemmSend(SendLauncher):
     """Launcher for ``p3_gemm_send`` on one Hopper GPU. Owns the sender state (zeroed once,
     self-resetting), the diagnostics and the P3SendCtx.
 
@@ -173,15 +159,15 @@ class GroupedGemmSend(_Sender):
         send = p3_control >= 0 and cfg.n_ranks != 0
         host = expert_offsets_host if not isinstance(expert_offsets, np.ndarray) else expert_offsets
         if send:
-            sp, offs_addr, peers, flags = _send_args(self, cfg, expert_offsets, expert_offsets_host, rows,
-                                                     count_ptrs, row_cache, p3_control, same_gpu)
-            problems += sp
+            sa = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=rows,
+                                count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control, same_gpu=same_gpu)
             if cfg.msg_bytes != 2 * n_cols:
                 problems.append(f"msg_bytes: expected 2*n_cols = {2 * n_cols} (bf16 rows), got {cfg.msg_bytes}")
         else:   # the offsets checks only (the send's cfg is not read)
-            sp, offs_addr, peers, flags = _send_args(self, P3PeerSendConfig.disabled(), expert_offsets,
-                                                     expert_offsets_host, rows, None, False, -1, False)
-            problems += sp
+            sa = self.send_args(P3PeerSendConfig.disabled(), expert_offsets, host_offsets=expert_offsets_host,
+                                rows_cap=rows, p3_control=-1)
+        problems += sa.problems
+        offs_addr, peers, flags = sa.expert_offsets, sa.count_ptrs, sa.flags
         stride = 2 * n_cols if c_row_stride is None else int(c_row_stride)
         c_addr = 0
         if not send:
@@ -206,7 +192,8 @@ class GroupedGemmSend(_Sender):
             problems.append(f"bm: expected 64 or 128, got {bm}")
         if problems:
             raise ConfigError(problems, "grouped-GEMM launch")
-        maps = tensor_map(xa, k_dim, rows, BK, bm) + tensor_map(wa, k_dim, self.n_experts * n_cols, BK, BN)
+        maps = driver.tensor_map("bfloat16", xa, (k_dim, rows), (BK, bm)) + \
+            driver.tensor_map("bfloat16", wa, (k_dim, self.n_experts * n_cols), (BK, BN))
         ctx = P3SendCtx()
         ctx.count_ptrs[:] = peers
         ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = offs_addr, self.state.ptr, self.diag.ptr

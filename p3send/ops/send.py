@@ -4,6 +4,7 @@ by the linkable ``p3_send_rows``). Both own their sender state and diagnostics."
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,21 +20,50 @@ FLAG_SCOPE_GPU = 4   # every receiver on this GPU: .gpu-scope release (docs/PROT
 FLAG_TILE = 8        # p3_scatter_send: the tile launch (flags bits 16..31: stamp/trace slots)
 
 
-def _send_args(launcher, cfg, expert_offsets, host_offsets, rows_cap, count_ptrs, row_cache, p3_control, same_gpu):
-    """Checks and values shared by the send launchers: (problems, expert_offsets address,
-    count pointers [8], flags). A numpy ``expert_offsets`` is uploaded into the launcher's
-    own buffer (and checked); otherwise ``host_offsets`` (if given) is checked."""
+@dataclass
+class SendArgs:
+    """What ``send_args`` found: ``problems`` (one message per bad argument, empty when all
+    is well), the ``expert_offsets`` device address, ``count_ptrs`` (8 addresses, 0 past the
+    p2p ranks) and the launch ``flags`` (``FLAG_ROW_CACHE``, ``FLAG_SIGNAL``, ``FLAG_SCOPE_GPU``)."""
+    problems: list
+    expert_offsets: int
+    count_ptrs: list
+    flags: int
+
+
+def send_args(cfg: P3PeerSendConfig, expert_offsets, *, n_experts: int, ordinal: int | None, host_offsets=None,
+              rows_cap: int | None = None, count_ptrs=None, row_cache: bool = False, p3_control: int = 0,
+              same_gpu: bool = False, staging: driver.DeviceBuffer | None = None) -> SendArgs:
+    """The checks and values every send launcher shares (``ScatterSend``, ``EpilogueSend``,
+    ``GroupedGemmSend`` and the benchmark's baselines).
+
+    Args:
+        cfg: the sender's config, checked with ``validate`` (collected, not raised).
+        expert_offsets: int32 ``(n_experts+1,)``: a device array (DeviceBuffer, CAI object,
+            torch tensor, address), or a numpy array, uploaded into ``staging`` and checked.
+        n_experts: local experts per rank.
+        ordinal: the launching GPU (device arrays on another GPU are refused), or None.
+        host_offsets: the device offsets' values as numpy, checked when given.
+        rows_cap: rows the input holds (the offsets may not reach past it), or None.
+        count_ptrs: the receive counts of the p2p ranks (enables ``FLAG_SIGNAL``), or None.
+        row_cache, p3_control, same_gpu: as ``ScatterSend.prepare``.
+        staging: a device buffer of at least ``4*(n_experts+1)`` bytes for numpy offsets.
+
+    Returns:
+        SendArgs; nothing is raised for bad arguments (the caller raises once, with all).
+    """
     problems = validate(cfg, p3_control=p3_control, row_cache=row_cache, raise_on_error=False)
-    n = launcher.n_experts
+    n = n_experts
     if isinstance(expert_offsets, np.ndarray):
         host_offsets = expert_offsets
-        if getattr(launcher, "_offs_buf", None) is None:
-            launcher._offs_buf = driver.DeviceBuffer(4 * (n + 1))
+        if staging is None or staging.nbytes < 4 * (n + 1):
+            raise ConfigError([f"expert_offsets: a numpy array needs a staging buffer of {4 * (n + 1)} bytes"],
+                              "send launch")
         if expert_offsets.size == n + 1:
-            launcher._offs_buf.upload(np.ascontiguousarray(expert_offsets, dtype=np.int32))
-        expert_offsets = launcher._offs_buf
+            staging.upload(np.ascontiguousarray(expert_offsets, dtype=np.int32))
+        expert_offsets = staging
     offs_addr, _ = array_arg(expert_offsets, "expert_offsets", problems, dtypes=("int32",), nbytes_min=4 * (n + 1),
-                             ordinal=launcher.dev.ordinal)
+                             ordinal=ordinal)
     aligned("expert_offsets", offs_addr, 4, problems)
     if host_offsets is not None:
         off = np.asarray(host_offsets, dtype=np.int64)
@@ -54,18 +84,30 @@ def _send_args(launcher, cfg, expert_offsets, host_offsets, rows_cap, count_ptrs
                 continue
             peers[i] = driver.device_ptr(cp[i], f"count_ptrs[{i}]")
             aligned(f"count_ptrs[{i}]", peers[i], 8, problems)
-    return problems, offs_addr, peers, flags
+    return SendArgs(problems, offs_addr, peers, flags)
 
 
-def _diagnostics(buf: driver.DeviceBuffer, reset: bool) -> dict:
+def read_diagnostics(buf: driver.DeviceBuffer, reset: bool) -> dict:
+    """A send's u32[4] diagnostics as {'dropped', 'unrouted', 'rejected'}; zeroed when ``reset``."""
     d = buf.download(np.uint32)
     if reset:
         buf.fill(0)
     return {"dropped": int(d[0]), "unrouted": int(d[1]), "rejected": bool(d[2])}
 
 
-class _Sender:
-    """What the send launchers share: launch, a one-shot call, diagnostics, close."""
+class SendLauncher:
+    """What the send launchers share: the sender state and diagnostics they own, the staging
+    of numpy offsets, launch, a one-shot call, diagnostics, close. Subclasses set ``dev``,
+    ``n_experts``, ``state``, ``diag``, ``block``, ``grid``, ``threads`` and ``smem``."""
+
+    offsets_buf: driver.DeviceBuffer | None = None
+
+    def send_args(self, cfg: P3PeerSendConfig, expert_offsets, **kw) -> SendArgs:
+        """``send_args`` for this launcher (its experts, its GPU, its staging buffer)."""
+        if isinstance(expert_offsets, np.ndarray) and self.offsets_buf is None:
+            self.offsets_buf = driver.DeviceBuffer(4 * (self.n_experts + 1))
+        return send_args(cfg, expert_offsets, n_experts=self.n_experts, ordinal=self.dev.ordinal,
+                         staging=self.offsets_buf, **kw)
 
     def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
         (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
@@ -82,15 +124,16 @@ class _Sender:
     def diagnostics(self, reset: bool = True) -> dict:
         """{'dropped': rows failing the bounds check, 'unrouted': rows owned by no rank,
         'rejected': cfg refused on the device} accumulated since the last reset."""
-        return _diagnostics(self.diag, reset)
+        return read_diagnostics(self.diag, reset)
 
     def close(self) -> None:
-        for b in (self.state, self.diag, getattr(self, "ctx", None), getattr(self, "_offs_buf", None)):
+        for b in (self.state, self.diag, getattr(self, "ctx", None), self.offsets_buf):
             if b is not None:
                 b.free()
+        self.offsets_buf = None
 
 
-class ScatterSend(_Sender):
+class ScatterSend(SendLauncher):
     """Launcher for ``p3_scatter_send`` on one device.
 
     Owns the sender state (per-expert completion and pair counters, zeroed once and
@@ -200,8 +243,9 @@ class ScatterSend(_Sender):
         cap = rows_in_c
         if cap is None and nb is not None and stride:
             cap = (nb - cfg.msg_bytes) // stride + 1 if nb >= cfg.msg_bytes else 0
-        problems, offs_addr, peers, flags = _send_args(self, cfg, expert_offsets, expert_offsets_host, cap,
-                                                       count_ptrs, row_cache, p3_control, same_gpu)
+        sa = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=cap,
+                            count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control, same_gpu=same_gpu)
+        problems, offs_addr, peers, flags = sa.problems, sa.expert_offsets, sa.count_ptrs, sa.flags
         problems += arg_problems
         aligned("c", c_addr, 16, problems)
         if stride % 16 or stride < cfg.msg_bytes:
@@ -220,7 +264,7 @@ class ScatterSend(_Sender):
         return blk
 
 
-class EpilogueSend(_Sender):
+class EpilogueSend(SendLauncher):
     """Launcher for ``p3_epilogue_send``: fp32 accumulator tiles -> bf16 in shared-memory
     stages -> peers, by ``send_warps`` dedicated send warps fed through the mailbox (0:
     the epilogue warps send inline). Owns the sender state, diagnostics and P3SendCtx."""
@@ -269,8 +313,9 @@ class EpilogueSend(_Sender):
         cap = rows_in_acc
         if cap is None and nb is not None and stride:
             cap = (nb - 4 * n_cols) // stride + 1 if nb >= 4 * n_cols else 0
-        problems, offs_addr, peers, flags = _send_args(self, cfg, expert_offsets, expert_offsets_host, cap,
-                                                       count_ptrs, row_cache, p3_control, same_gpu)
+        sa = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=cap,
+                            count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control, same_gpu=same_gpu)
+        problems, offs_addr, peers, flags = sa.problems, sa.expert_offsets, sa.count_ptrs, sa.flags
         problems += arg_problems
         aligned("acc", acc_addr, 16, problems)
         if n_cols <= 0 or n_cols % 8:

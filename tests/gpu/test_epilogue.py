@@ -80,12 +80,16 @@ class LinkedConsumer:
         self.state = driver.DeviceBuffer(40 * case.n_experts, fill=0)
         self.diag = driver.DeviceBuffer(16, fill=0)
         self.ctx = driver.DeviceBuffer(104, fill=0)
+        self.offsets = None
 
     def __call__(self, cfg, c, case, *, stream, count_ptrs, row_cache, p3_control):
-        problems, offs, peers, flags = send_ops._send_args(
-            self, cfg, case.expert_offsets.astype(np.int32), None, case.c.shape[0], count_ptrs, row_cache,
-            p3_control, False)
-        assert not problems, problems
+        if self.offsets is None:
+            self.offsets = driver.DeviceBuffer(4 * (case.n_experts + 1))
+        sa = send_ops.send_args(cfg, case.expert_offsets.astype(np.int32), n_experts=self.n_experts,
+                                ordinal=self.dev.ordinal, rows_cap=case.c.shape[0], count_ptrs=count_ptrs,
+                                row_cache=row_cache, p3_control=p3_control, staging=self.offsets)
+        assert not sa.problems, sa.problems
+        offs, peers, flags = sa.expert_offsets, sa.count_ptrs, sa.flags
         ctx = P3SendCtx()
         ctx.count_ptrs[:] = peers
         ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = offs, self.state.ptr, self.diag.ptr
@@ -97,10 +101,10 @@ class LinkedConsumer:
         s.synchronize()
 
     def diagnostics(self):
-        return send_ops._diagnostics(self.diag, True)
+        return send_ops.read_diagnostics(self.diag, True)
 
     def close(self):
-        for b in (self.state, self.diag, self.ctx, getattr(self, "_offs_buf", None)):
+        for b in (self.state, self.diag, self.ctx, self.offsets):
             if b is not None:
                 b.free()
 
