@@ -180,8 +180,7 @@ class TorchCombine(_Base):
             self._key = key
         else:                              # only the output moved: one parameter per receive
             for r in range(R):
-                self._inner.out[r] = out[r]
-                self._inner.receivers[r].block.set(out_ptr=out[r].data_ptr())
+                self._inner.set_output(r, out[r])
         self._inner.enqueue(stream=stream, gate=gate if self.gated else None)
         return out
 
@@ -246,8 +245,7 @@ class TorchRank(_Base):
                              out=out)
             self._key = key
         else:
-            self._inner.out = out
-            self._inner.receiver.block.set(out_ptr=out.data_ptr())
+            self._inner.set_output(out)
         return out
 
     def _run(self, rows, offs, rtab, src, topk, w, gate):
@@ -258,9 +256,7 @@ class TorchRank(_Base):
                                "barrier between them; call step() (it synchronizes) instead of the op"],
                               "p3send::combine")
         out = self._bind(rows, offs, rtab, src, topk, w)
-        s = driver.as_stream(torch.cuda.current_stream(self.ordinal))
-        self._inner._enqueue_send(s)
-        self._inner.receiver.launch(s)
+        self._inner.enqueue(torch.cuda.current_stream(self.ordinal))
         return out
 
     def step(self, rows, expert_offsets, range_table, src_info, topk_idx, weights):

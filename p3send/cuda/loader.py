@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig
+from ..abi.files import read_text
 from ..abi.errors import ConfigError, ConfigTypeError, CudaError, P3SendError, ParamMismatchError
 from ..cuda import driver, ptxdoc
 
@@ -160,14 +161,24 @@ _modules: dict[tuple[int, str], Module] = {}
 def load(source, *, device: driver.Device | None = None, name: str | None = None) -> Module:
     """Load PTX from a shipped entry name (``"p3_scatter_send"``), a path, or PTX text.
 
-    Modules are cached per device and content. A bad PTX raises CudaError with the JIT
-    log; a parameter layout that differs from the header raises ParamMismatchError.
+    Args:
+        source: an entry name of a shipped file, a path (``Path``, or a str ending in
+            ``.ptx`` or holding a ``/``), or PTX text (str or bytes).
+        device: the GPU (default ``driver.device()``).
+        name: the name JIT messages give the text (default: the file's name).
+
+    Returns:
+        The Module (cached per device and content); index it by entry name for a Kernel.
+
+    Raises:
+        CudaError: the JIT refused the text (its log attached); ParamMismatchError: an
+        entry's parameters differ from its header; InputFileError: an unreadable path.
     """
     dev = device or driver.device()
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and
                                      (source.endswith(".ptx") or "/" in source)):
         path = Path(source)
-        text, name = path.read_text(), name or path.name
+        text, name = read_text(path, what="PTX file"), name or path.name
     elif isinstance(source, str) and "\n" not in source:
         path = ptx_dir() / f"{source}.ptx"
         if not path.exists():
@@ -191,11 +202,24 @@ def load(source, *, device: driver.Device | None = None, name: str | None = None
 
 def link(sources, *, device: driver.Device | None = None, name: str = "<linked>",
          max_registers: int | None = None, libraries=()) -> Module:
-    """Link PTX sources ((name, text) pairs; names of shipped files may be given alone,
-    e.g. ``"p3_send_rows"``) with the driver's JIT linker, resolving ``.extern .func``
+    """Link PTX sources with the driver's JIT linker, resolving ``.extern .func``
     references across them: how a runtime links p3send's device functions into its own
-    kernel. Every documented entry of the sources is checked as in ``load``. ``libraries``:
-    device-code archives to link as well (paths, e.g. libcudadevrt.a)."""
+    kernel. Every documented entry of the sources is checked as in ``load``.
+
+    Args:
+        sources: (name, text) pairs; names of shipped files may be given alone, e.g.
+            ``"p3_send_rows"``.
+        device: the GPU (default ``driver.device()``).
+        name: the linked module's name in messages.
+        max_registers: ``CU_JIT_MAX_REGISTERS`` for the link, or None.
+        libraries: device-code archives to link as well (paths, e.g. libcudadevrt.a).
+
+    Returns:
+        The linked Module.
+
+    Raises:
+        CudaError: the linker refused (its log attached).
+    """
     dev = device or driver.device()
     pairs = []
     for src in sources:
@@ -211,12 +235,26 @@ def link(sources, *, device: driver.Device | None = None, name: str = "<linked>"
 
 
 def kernel(entry: str, device: driver.Device | None = None) -> Kernel:
-    """A shipped kernel by entry name (file name == entry name)."""
+    """A shipped kernel by entry name (file name == entry name).
+
+    Args:
+        entry: e.g. ``"p3_scatter_send"``.
+        device: the GPU (default ``driver.device()``).
+    """
     return load(entry, device=device)[entry]
 
 
 def abi_echo(cfg: P3PeerSendConfig, tag: int = 0x5EED_0F_C0FFEE, device=None) -> tuple[bytes, int]:
-    """Launch ``p3_abi_echo``; return (the 184 bytes the device saw, the tag it saw)."""
+    """Launch ``p3_abi_echo``: proves a by-value launch of the struct.
+
+    Args:
+        cfg: the config to pass by value.
+        tag: a u64 the kernel echoes after the struct.
+        device: the GPU (default ``driver.device()``).
+
+    Returns:
+        (the 184 bytes the device saw, the tag it saw).
+    """
     k = kernel("p3_abi_echo", device)
     out = driver.DeviceBuffer(192, fill=0)
     try:

@@ -1,6 +1,8 @@
 """Argument checks the launchers share: sizes and alignment of device buffers."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..cuda import driver
@@ -87,3 +89,9 @@ def array_arg(obj, name: str, problems: list, *, dtypes=None, nbytes_min: int | 
     if nbytes_min is not None and d["nbytes"] is not None and d["nbytes"] < nbytes_min:
         problems.append(f"{name}: expected at least {nbytes_min} bytes, got {d['nbytes']}")
     return d["addr"], d["nbytes"]
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    """A DeprecationWarning for a name renamed in 0.2.0 (its alias goes in 0.3), pointing at the caller."""
+    warnings.warn(f"{old} is deprecated since p3send 0.2.0 and goes in 0.3; use {new}", DeprecationWarning,
+                  stacklevel=3)

@@ -18,6 +18,7 @@ from ..abi.config import P3PeerSendConfig, rank_config, shape_problems
 from ..abi.errors import ArrivalTimeout, ConfigError
 from ..abi.layout import NOT_ARRIVED, SENTINEL, recv_buf_bytes, recv_counts_len
 from ..cuda import driver
+from .args import aligned, array_arg, warn_deprecated
 from .recv import RecvReduce
 from .send import ScatterSend
 
@@ -40,8 +41,8 @@ class RankBuffers:
     recv: object
     counts: object
     c: object
-    offs: object
-    rtab: object
+    expert_offsets: object
+    range_table: object
     src_info: object
     row_base: object
     topk_idx: object
@@ -56,8 +57,9 @@ def rank_buffers(alloc, *, n_ranks: int, n_local: int, max_tokens: int, top_k: i
     n_slots, rows, pairs = recv_counts_len(n_local, n_ranks), max(max_rows, 1), max(max_tokens * top_k, 1)
     mine = alloc if inputs else (lambda n, fill=None: None)
     return RankBuffers(recv=alloc(recv_buf_bytes(max_tokens, top_k, msg) + 2 * guard, SENTINEL),
-                       counts=alloc(8 * n_slots, 0xFF), c=mine(rows * msg), offs=mine(4 * (n_local + 1), 0),
-                       rtab=mine(8 * n_slots, 0), src_info=mine(8 * rows, 0xFF),
+                       counts=alloc(8 * n_slots, 0xFF), c=mine(rows * msg),
+                       expert_offsets=mine(4 * (n_local + 1), 0), range_table=mine(8 * n_slots, 0),
+                       src_info=mine(8 * rows, 0xFF),
                        row_base=alloc(8 * rows, 0) if row_cache else None, topk_idx=mine(4 * pairs, 0xFF),
                        weights=mine(4 * pairs, 0), out=mine(max(max_tokens, 1) * msg, 0))
 
@@ -73,7 +75,7 @@ def own_inputs(what: str, bufs) -> None:
 def rank_inputs(what: str, *, c, expert_offsets, range_table, src_info, topk_idx, weights, hidden: int,
                 top_k: int, n_local: int, n_ranks: int, max_rows: int, max_tokens: int) -> dict:
     """Check one rank's inputs (numpy) and return them ready to upload: {'c': uint16 (rows,
-    hidden), 'offs': int32 (n_local+1,), 'rtab': int32 (n_local*n_ranks*2,), 'src_info': int32
+    hidden), 'expert_offsets': int32 (n_local+1,), 'range_table': int32 (n_local*n_ranks*2,), 'src_info': int32
     (rows, 2), 'topk_idx': int32 (tokens, top_k), 'weights': f32 (tokens, top_k)}.
     Raises ConfigError titled ``what`` listing every problem."""
     c = np.ascontiguousarray(c).view(np.uint16)
@@ -98,7 +100,7 @@ def rank_inputs(what: str, *, c, expert_offsets, range_table, src_info, topk_idx
         problems.append(f"weights: expected shape {tk.shape}, got {np.asarray(weights).shape}")
     if problems:
         raise ConfigError(problems, what)
-    return {"c": c, "offs": off, "rtab": np.asarray(range_table, dtype=np.int32),
+    return {"c": c, "expert_offsets": off, "range_table": np.asarray(range_table, dtype=np.int32),
             "src_info": np.asarray(src_info, dtype=np.int32), "topk_idx": tk,
             "weights": np.asarray(weights, dtype=np.float32)}
 
@@ -112,7 +114,6 @@ def bound_inputs(what: str, ordinal: int, *, c, expert_offsets, range_table, src
     (n_local*n_ranks*2,); src_info int32 (>= rows, 2); topk_idx int32 (tokens, top_k);
     weights f32 (tokens, top_k); out bf16 (tokens, hidden). Raises ConfigError titled
     ``what`` listing every problem (dtype, device, size), before anything is launched."""
-    from .args import array_arg
     problems = []
     shape = tuple(getattr(topk_idx, "shape", ())) or tuple(topk_idx.__cuda_array_interface__["shape"])
     tokens = int(shape[0]) if len(shape) == 2 else -1
@@ -166,7 +167,7 @@ class Combine:
                  inputs: bool = True):
         """num_sms: SMs per rank's send (default: 2 x the GPU's SMs / n_ranks, at most all);
         inputs: allocate C, the routing inputs, topk_idx/weights and out here (uploaded by
-        ``set_rank``); False: the caller owns them and attaches them with ``bind``."""
+        ``set_inputs``); False: the caller owns them and attaches them with ``bind``."""
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
         if problems:
@@ -188,12 +189,19 @@ class Combine:
                              msg=self.msg, max_rows=self.max_rows, guard=self.guard, row_cache=row_cache,
                              inputs=inputs) for _ in R]
         self.recv_alloc = [b.recv for b in bufs]
-        for name in ("counts", "c", "offs", "rtab", "src_info", "row_base", "topk_idx", "weights", "out"):
-            setattr(self, name, [getattr(b, name) for b in bufs])
+        self.counts = [b.counts for b in bufs]
+        self.c = [b.c for b in bufs]
+        self.expert_offsets = [b.expert_offsets for b in bufs]
+        self.range_table = [b.range_table for b in bufs]
+        self.src_info = [b.src_info for b in bufs]
+        self.row_base = [b.row_base for b in bufs]
+        self.topk_idx = [b.topk_idx for b in bufs]
+        self.weights = [b.weights for b in bufs]
+        self.out = [b.out for b in bufs]
         # On one GPU the ranks share it: by default each rank's send gets 2/n_ranks of the
         # SMs, so the sends of a round run at once instead of one after another, and the
-        # CTAs of ranks with fewer rows leave their SMs to the others' (2x oversubscribed:
-        # 8 ranks x 128 tokens, 122 us a round against 126 us with 1/n_ranks, docs/PERF.md).
+        # CTAs of ranks with fewer rows leave their SMs to the others' (2x oversubscribed;
+        # docs/PERF.md compares the shares).
         share = num_sms or max(1, min(self.dev.sm_count, 2 * self.dev.sm_count // n_ranks))
         self.senders = [ScatterSend(n_local_experts, device=self.dev, num_sms=share) for _ in R]
         self.receivers = [RecvReduce(device=self.dev, max_ctas=max(1, 4 * self.dev.sm_count // n_ranks))
@@ -214,65 +222,151 @@ class Combine:
         return buf
 
     def recv_ptr(self, r: int) -> int:
+        """The device address of rank ``r``'s receive buffer (past its guard bytes).
+
+        Args:
+            r: the rank.
+        """
         return self.recv_alloc[r].ptr + self.guard
 
     def _config(self, r: int) -> P3PeerSendConfig:
         return rank_config(my_rank=r, n_ranks=self.n_ranks, recv_bufs=[self.recv_ptr(p) for p in range(self.n_ranks)],
                            top_k=self.top_k, msg_bytes=self.msg, max_tokens=self.max_tokens,
-                           range_table=driver.device_ptr(self.rtab[r], "range_table"),
+                           range_table=driver.device_ptr(self.range_table[r], "range_table"),
                            src_info=driver.device_ptr(self.src_info[r], "src_info"),
                            row_base=device_ptr_or_none(self.row_base[r], "row_base"),
                            send_stamps=device_ptr_or_none(self.send_stamps[r], "send_stamps"))
 
     # ------------------------------------------------------------ inputs
-    def set_rank(self, r: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights) -> None:
-        """Upload rank r's inputs (numpy). c: bf16 bits uint16 (rows, hidden); expert_offsets
-        int32 (n_local+1,) starting at 0; range_table int32 (n_local*n_ranks*2,); src_info int32
-        (rows, 2); topk_idx int32 (tokens, top_k); weights f32 (tokens, top_k)."""
+    def set_inputs(self, r: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights) -> None:
+        """Upload rank ``r``'s inputs from host arrays into the buffers this Combine owns.
+
+        Args:
+            r: the rank, 0..n_ranks-1.
+            c: bf16 bits, uint16 (rows, hidden) (or any 2-byte dtype viewed as such): the
+                expert-grouped rows this rank sends.
+            expert_offsets: int32 (n_local+1,), non-decreasing from 0 to rows.
+            range_table: int32 (n_local*n_ranks*2,) (``encode_range_table``).
+            src_info: int32 (rows, 2): (token, top-k slot) of each row at its owner.
+            topk_idx: int32 (tokens, top_k): global expert ids of this rank's tokens (-1 masked).
+            weights: float32 (tokens, top_k): their router weights.
+
+        Raises:
+            ConfigError: a shape, size or value is wrong (every problem listed), or the
+                inputs are the caller's (``bind``, ``inputs=False``).
+        """
+        self._check_rank(r)
         a = rank_inputs(f"rank {r} inputs", c=c, expert_offsets=expert_offsets, range_table=range_table,
                         src_info=src_info, topk_idx=topk_idx, weights=weights, hidden=self.hidden,
                         top_k=self.top_k, n_local=self.n_local, n_ranks=self.n_ranks, max_rows=self.max_rows,
                         max_tokens=self.max_tokens)
-        own_inputs(f"Combine.set_rank({r})", (self.c[r], self.offs[r], self.rtab[r], self.src_info[r],
-                                              self.topk_idx[r], self.weights[r]))
+        own_inputs(f"Combine.set_inputs({r})", (self.c[r], self.expert_offsets[r], self.range_table[r],
+                                                self.src_info[r], self.topk_idx[r], self.weights[r]))
         self.c[r].upload(a["c"])
-        self.offs[r].upload(a["offs"])
-        self.rtab[r].upload(a["rtab"])
+        self.expert_offsets[r].upload(a["expert_offsets"])
+        self.range_table[r].upload(a["range_table"])
         self.src_info[r].upload(a["src_info"])
         self.topk_idx[r].upload(a["topk_idx"])
         self.weights[r].upload(a["weights"])
         self.tokens[r] = a["topk_idx"].shape[0]
         self._prepare(r)
 
-    def load_world(self, world) -> None:
-        """Upload a ``cases.World`` (every rank's inputs)."""
+    def load(self, world) -> None:
+        """Upload every rank's inputs from a ``p3send.oracle.cases.World`` (``set_inputs`` per rank).
+
+        Raises:
+            ConfigError: the world's shape differs from this Combine's, or as ``set_inputs``.
+        """
+        if getattr(world, "n_ranks", None) != self.n_ranks:
+            raise ConfigError([f"world: expected {self.n_ranks} ranks, got {getattr(world, 'n_ranks', world)!r}"],
+                              "Combine.load")
         for r, d in enumerate(world.ranks):
-            self.set_rank(r, c=d.c, expert_offsets=d.expert_offsets, range_table=d.range_table,
-                          src_info=d.src_info, topk_idx=d.topk_idx, weights=d.weights)
+            self.set_inputs(r, c=d.c, expert_offsets=d.expert_offsets, range_table=d.range_table,
+                            src_info=d.src_info, topk_idx=d.topk_idx, weights=d.weights)
+
+    def set_rank(self, r: int, **inputs) -> None:
+        """Deprecated alias of ``set_inputs`` (removed in 0.3)."""
+        warn_deprecated("Combine.set_rank", "Combine.set_inputs")
+        self.set_inputs(r, **inputs)
+
+    def load_world(self, world) -> None:
+        """Deprecated alias of ``load`` (removed in 0.3)."""
+        warn_deprecated("Combine.load_world", "Combine.load")
+        self.load(world)
+
+    @property
+    def offs(self) -> list:
+        """Deprecated alias of ``expert_offsets`` (removed in 0.3)."""
+        warn_deprecated("Combine.offs", "Combine.expert_offsets")
+        return self.expert_offsets
+
+    @property
+    def rtab(self) -> list:
+        """Deprecated alias of ``range_table`` (removed in 0.3)."""
+        warn_deprecated("Combine.rtab", "Combine.range_table")
+        return self.range_table
+
+    def _check_rank(self, r) -> None:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.n_ranks:
+            raise ConfigError([f"r: expected a rank 0..{self.n_ranks - 1}, got {r!r}"], "Combine")
 
     def refill_c(self, r: int, c) -> None:
-        """Replace rank r's C values in place (same routing), e.g. between graph replays."""
+        """Replace rank r's C values in place (same routing), e.g. between graph replays.
+        c: bf16 bits, uint16 (rows, hidden)."""
+        self._check_rank(r)
         own_inputs(f"Combine.refill_c({r})", (self.c[r],))
         self.c[r].upload(np.ascontiguousarray(c).view(np.uint16))
 
     def bind(self, r: int, *, c, expert_offsets, range_table, src_info, topk_idx, weights, out) -> None:
-        """Attach rank r's inputs and output as device arrays the caller owns (torch
-        tensors, CAI objects, DeviceBuffers; shapes as ``set_rank``, out bf16 (tokens,
-        hidden)), checked for dtype, device and size (ConfigError before any launch).
-        Rounds and captured graphs then read them in place: refresh their contents
-        between rounds or replays; bind again only when an array moves. The token
-        count is ``topk_idx``'s leading dimension now (the launch takes it as a value)."""
+        """Attach rank ``r``'s inputs and output as device arrays the caller owns (torch
+        tensors, ``__cuda_array_interface__`` objects, DeviceBuffers), checked for dtype,
+        device and size before any launch. Rounds and captured graphs then read them in
+        place: refresh their contents between rounds or replays; bind again only when an
+        array moves (``set_output`` when only the output does).
+
+        Args:
+            r: the rank.
+            c: bf16 (rows, hidden); expert_offsets: int32 (n_local+1,); range_table: int32
+                (n_local*n_ranks*2,); src_info: int32 (>= rows, 2); topk_idx: int32 (tokens,
+                top_k), whose leading dimension is the token count from now on; weights:
+                float32 (tokens, top_k); out: bf16 (tokens, hidden).
+
+        Raises:
+            ConfigError: every wrong dtype, device or size, listed.
+        """
+        self._check_rank(r)
         self.tokens[r] = bound_inputs(f"rank {r} inputs", self.dev.ordinal, c=c, expert_offsets=expert_offsets,
                                       range_table=range_table, src_info=src_info, topk_idx=topk_idx,
                                       weights=weights, out=out, hidden=self.hidden, top_k=self.top_k,
                                       n_local=self.n_local, n_ranks=self.n_ranks, max_tokens=self.max_tokens)
-        self.c[r], self.offs[r], self.rtab[r], self.src_info[r] = c, expert_offsets, range_table, src_info
-        self.topk_idx[r], self.weights[r], self.out[r] = topk_idx, weights, out
+        self.c[r], self.expert_offsets[r], self.range_table[r] = c, expert_offsets, range_table
+        self.src_info[r], self.topk_idx[r], self.weights[r], self.out[r] = src_info, topk_idx, weights, out
         self.cfgs[r] = self._config(r)
         self._prepare(r)
 
+    def set_output(self, r: int, out) -> None:
+        """Point rank ``r``'s reduce at a new output array, nothing else changed (one
+        parameter of the prepared receive; e.g. a fresh torch tensor every step).
+
+        Args:
+            r: the rank.
+            out: bf16 (tokens, hidden) on this GPU, tokens as last bound.
+
+        Raises:
+            ConfigError: ``out`` is too small, of another dtype or on another device.
+        """
+        self._check_rank(r)
+        problems = []
+        addr, _ = array_arg(out, "out", problems, dtypes=("bfloat16", "uint16", "int16"),
+                            nbytes_min=2 * self.tokens[r] * self.hidden, ordinal=self.dev.ordinal)
+        aligned("out", addr, 16, problems)
+        if problems:
+            raise ConfigError(problems, f"rank {r} output")
+        self.out[r] = out
+        self.receivers[r].block.set(out_ptr=addr)
+
     def _prepare(self, r: int) -> None:
-        self.senders[r].prepare(self.cfgs[r], self.c[r], self.offs[r],
+        self.senders[r].prepare(self.cfgs[r], self.c[r], self.expert_offsets[r],
                                 count_ptrs=[self.counts[p] for p in range(self.n_ranks)],
                                 row_cache=self.row_cache, rows_in_c=self.max_rows, same_gpu=True)
         self.receivers[r].prepare(self.cfgs[r], self.recv_ptr(r), self.counts[r], self.topk_idx[r], self.weights[r],
@@ -282,10 +376,16 @@ class Combine:
     # ------------------------------------------------------------ the round
     def enqueue(self, skip_send=(), send=True, receive=True, *, stream=None, gate=None) -> None:
         """Enqueue one round (or only its sends / only its receives) on the rank
-        streams, forked from and joined into ``stream`` (anything ``driver.as_stream``
-        takes: a torch or cupy stream, a handle; default ``origin``). ``gate``: while
-        ``stream`` is being captured, a device u32 array [n_ranks]: rank r's send runs at
-        a replay only if gate[r] != 0 then (``cuda.gate``; the runtime writes it)."""
+        streams, forked from and joined into ``stream``; no host wait.
+
+        Args:
+            skip_send: ranks whose send is left out (tests a dead rank).
+            send, receive: enqueue that half.
+            stream: anything ``driver.as_stream`` takes (a torch or cupy stream, a
+                handle); default ``origin``.
+            gate: while ``stream`` is being captured, a device u32 array [n_ranks]: rank r's
+                send runs at a replay only if gate[r] != 0 then (``p3send.cuda.gate``).
+        """
         origin = self.origin if stream is None else driver.as_stream(stream)
         if gate is not None:
             from ..cuda.gate import gated
@@ -319,11 +419,17 @@ class Combine:
             origin.wait(self.done[r].record(self.streams[r]))
 
     def round(self, skip_send=(), send=True, receive=True, *, stream=None) -> None:
-        """Run one round and check it: raises ArrivalTimeout naming every missing
-        (rank, expert, source rank) pair; the counts are then re-armed so the next round
-        starts clean. ``skip_send`` leaves those ranks' sends out (tests a dead rank);
-        ``send``/``receive`` run one half (to inspect the counts in between); ``stream``:
-        run it in that stream's order (as ``enqueue``), which is then synchronized."""
+        """Run one round, wait for it and check it.
+
+        Args:
+            skip_send: ranks whose send is left out (tests a dead rank).
+            send, receive: run one half (to inspect the counts in between).
+            stream: run it in that stream's order (as ``enqueue``); it is then synchronized.
+
+        Raises:
+            ArrivalTimeout: naming every missing (rank, expert, source rank) pair; the
+                counts are re-armed first, so the next round starts clean.
+        """
         self.enqueue(skip_send, send, receive, stream=stream)
         (self.origin if stream is None else driver.as_stream(stream)).synchronize()
         if receive:
@@ -347,8 +453,12 @@ class Combine:
             raise ArrivalTimeout(missing, record, self.timeout_ns)
 
     def capture(self, send=True, receive=True, *, gate=None) -> driver.Graph:
-        """A CUDA graph of one round (or of one half, as ``enqueue``, with its ``gate``);
-        replay with ``graph.launch(combine.origin)`` or on any stream."""
+        """A CUDA graph of one round; replay with ``graph.launch(combine.origin)`` or on any stream.
+
+        Args:
+            send, receive: capture that half (as ``enqueue``).
+            gate: as ``enqueue``.
+        """
         with driver.Graph.capture(self.origin, self.streams) as cap:
             self.enqueue(send=send, receive=receive, gate=gate)
         return cap.graph
@@ -359,7 +469,12 @@ class Combine:
         return self.out[r].download(np.uint16, shape=(self.tokens[r], self.hidden))
 
     def recv_view(self, r: int, with_guard: bool = False) -> np.ndarray:
-        """Rank r's receive buffer bytes (unreduced (max_tokens, top_k, msg_bytes) as flat uint8)."""
+        """Rank r's receive buffer: flat uint8 of the unreduced (max_tokens, top_k, msg_bytes) slots.
+
+        Args:
+            r: the rank.
+            with_guard: include the sentinel guard bytes on each side.
+        """
         raw = self.recv_alloc[r].download()
         return raw if with_guard else raw[self.guard:self.guard + self.recv_bytes]
 
@@ -376,6 +491,7 @@ class Combine:
         return out
 
     def close(self) -> None:
+        """Free every buffer, stream, event and launcher this Combine owns."""
         for s in self.senders:
             s.close()
         for rv in self.receivers:

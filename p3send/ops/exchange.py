@@ -45,6 +45,11 @@ class ProcessExchange:
         self._early = {}         # (gen, rank) -> obj that came before this rank reached gen
 
     def bind(self, rank: int) -> ProcessExchange:
+        """Make this copy (in a child process) rank ``rank``'s end of the exchange; returns self.
+
+        Args:
+            rank: 0..n_ranks-1.
+        """
         if not (0 <= rank < self.n_ranks):
             raise ConfigError(f"rank: expected 0..{self.n_ranks - 1}, got {rank}", "exchange")
         self.rank = rank
@@ -56,7 +61,15 @@ class ProcessExchange:
         return self.rank
 
     def allgather(self, obj, timeout: float | None = None) -> list:
-        """Every rank's ``obj`` (picklable), in rank order."""
+        """Every rank's ``obj``, in rank order, once every rank has called it.
+
+        Args:
+            obj: any picklable object.
+            timeout: seconds to wait for the others (default: the exchange's ``timeout_s``).
+
+        Raises:
+            ExchangeTimeout: a rank did not arrive in time (named where the exchange can tell).
+        """
         me = self._bound()
         timeout = self.timeout_s if timeout is None else timeout
         gen, self._gen = self._gen, self._gen + 1
@@ -82,6 +95,14 @@ class ProcessExchange:
         return [got[r] for r in range(self.n_ranks)]
 
     def barrier(self, timeout: float | None = None) -> None:
+        """Return once every rank has called it.
+
+        Args:
+            timeout: seconds to wait (default: the exchange's ``timeout_s``).
+
+        Raises:
+            ExchangeTimeout: a rank did not arrive in time (named where the exchange can tell).
+        """
         me = self._bound()
         timeout = self.timeout_s if timeout is None else timeout
         self._arrived[me] += 1
@@ -120,7 +141,16 @@ class TorchExchange:
         self.rank, self.n_ranks = dist.get_rank(group), dist.get_world_size(group)
 
     def allgather(self, obj, timeout: float | None = None) -> list:
-        """``timeout`` is the gloo group's (fixed when the group was made)."""
+        """Every rank's ``obj``, in rank order, once every rank has called it.
+
+        Args:
+            obj: any picklable object.
+            timeout: seconds to wait for the others (default: the exchange's ``timeout_s``);
+                torch's gloo group has its own, fixed when the group was made, which bounds it too.
+
+        Raises:
+            ExchangeTimeout: a rank did not arrive in time (named where the exchange can tell).
+        """
         out = [None] * self.n_ranks
         try:
             self._dist.all_gather_object(out, obj, group=self.group)
@@ -129,6 +159,14 @@ class TorchExchange:
         return out
 
     def barrier(self, timeout: float | None = None) -> None:
+        """Return once every rank has called it.
+
+        Args:
+            timeout: seconds to wait (default: the exchange's ``timeout_s``).
+
+        Raises:
+            ExchangeTimeout: a rank did not arrive in time (named where the exchange can tell).
+        """
         t = self.timeout_s if timeout is None else timeout
         try:
             self._dist.monitored_barrier(group=self.group, timeout=self._td(seconds=t), wait_all_ranks=True)
@@ -154,10 +192,27 @@ class MPIExchange:
         self.rank, self.n_ranks, self.timeout_s = self.comm.Get_rank(), self.comm.Get_size(), float(timeout_s)
 
     def allgather(self, obj, timeout: float | None = None) -> list:
+        """Every rank's ``obj``, in rank order, once every rank has called it.
+
+        Args:
+            obj: any picklable object.
+            timeout: seconds to wait for the others (default: the exchange's ``timeout_s``); bounded by a barrier first.
+
+        Raises:
+            ExchangeTimeout: a rank did not arrive in time (named where the exchange can tell).
+        """
         self.barrier(timeout)
         return self.comm.allgather(obj)
 
     def barrier(self, timeout: float | None = None) -> None:
+        """Return once every rank has called it.
+
+        Args:
+            timeout: seconds to wait (default: the exchange's ``timeout_s``).
+
+        Raises:
+            ExchangeTimeout: a rank did not arrive in time (named where the exchange can tell).
+        """
         t = self.timeout_s if timeout is None else timeout
         req, deadline = self.comm.Ibarrier(), time.monotonic() + t
         while not req.Test():

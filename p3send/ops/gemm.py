@@ -1,5 +1,5 @@
 """``GroupedGemmSend``: the MoE down-projection (a grouped bf16 GEMM for Hopper, sm_90a)
-with p3send's peer send in its epilogue (``ptx/p3_gemm_send.ptx``, issue 18).
+with p3send's peer send in its epilogue (``ptx/p3_gemm_send.ptx``).
 
     gemm = GroupedGemmSend(n_experts)
     gemm(cfg, x, w, expert_offsets, c=c)                                # plain GEMM (send off): C
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..abi.config import P3PeerSendConfig, P3SendCtx
 from ..abi.errors import ConfigError, P3SendError
-from ..cuda import driver
+from ..cuda import driver, ptxdoc
 from ..cuda.loader import ParamBlock, kernel, link, ptx_dir
 from .args import aligned, nbytes
 from .send import SendLauncher
@@ -65,7 +65,7 @@ def require_hopper(dev: driver.Device) -> None:
 
 def _module_text_linked() -> str:
     """The shipped text as nvcc wrote it: p3_send_rows/p3_send_flush as .extern, for a linker."""
-    return (ptx_dir() / f"{ENTRY}.ptx").read_text().replace(".visible .func p3_send_", ".extern .func p3_send_")
+    return ptxdoc.set_prototype_linkage((ptx_dir() / f"{ENTRY}.ptx").read_text(), "extern")
 
 
 class GroupedGemmSend(SendLauncher):
@@ -108,16 +108,33 @@ class GroupedGemmSend(SendLauncher):
                 same_gpu: bool = False, expert_offsets_host=None, into: ParamBlock | None = None) -> ParamBlock:
         """Check every argument and fill the parameter block (no launch).
 
-        p3_control < 0 (the default) or cfg.n_ranks == 0: the send is off and C (bf16
-        (rows, n_cols) at c_row_stride bytes, default 2*n_cols) is written. Otherwise the
-        rows go to their owners as p3_scatter_send sends them (cfg.msg_bytes must be
-        2*n_cols; count_ptrs, row_cache, same_gpu as ScatterSend.prepare) and C is not
-        touched (may be None). bm: 128 or 64 rows per tile; default 64 when the host
-        offsets show at most 64 rows per expert on average, else 128. into: fill this
-        block (from ``self.k.params_block()``) instead of the launcher's own; each block
-        has its own P3SendCtx and tensor maps on the device, so several prepared launches
-        coexist. They are uploaded synchronously: do not prepare a block while its launch
-        is in flight."""
+        Args:
+            cfg: the sender's config; with the send on, msg_bytes must be 2*n_cols.
+            x: bf16 (rows, K) row-major, 16-byte aligned (a torch/cupy tensor, a DeviceBuffer
+                or an address; for the last two give ``rows`` and ``k_dim``).
+            w: bf16 (E, N, K): each expert's N x K weights, K contiguous (as
+                ``torch.nn.Linear`` stores them).
+            expert_offsets: int32 (E+1,) on the device, or numpy (uploaded and checked).
+            c: the output C, bf16 (rows, n_cols) at ``c_row_stride``: written when the send
+                is off (``p3_control < 0`` or ``cfg.n_ranks == 0``), else untouched (may be None).
+            rows, n_cols, k_dim: the sizes, where the arrays do not tell them.
+            c_row_stride: bytes between rows of C (default 2*n_cols).
+            bm: 128 or 64 rows per tile (default: 64 when the host offsets show at most 64
+                rows per expert on average, else 128).
+            count_ptrs, row_cache, same_gpu, expert_offsets_host: as ``ScatterSend.prepare``.
+            p3_control: < 0 (the default): plain GEMM writing C; >= 0: the rows go to their
+                owners as ``p3_scatter_send`` sends them.
+            into: fill this block (from ``self.k.params_block()``) instead of the launcher's
+                own; each block has its own P3SendCtx and tensor maps on the device, so several
+                prepared launches coexist. They are uploaded synchronously: do not prepare a
+                block while its launch is in flight.
+
+        Returns:
+            The filled ParamBlock.
+
+        Raises:
+            ConfigError: every bad argument, listed, before anything is launched.
+        """
         problems = []
         xs, xstr, xi = _shape(x)
         ws, wstr, wi = _shape(w)
@@ -207,6 +224,7 @@ class GroupedGemmSend(SendLauncher):
                        c_row_stride=stride, n_cols=n_cols, k_dim=k_dim, bm=bm)
 
     def close(self) -> None:
+        """Free the state, diagnostics, staging and the device-side arguments of every block."""
         super().close()
         for b in self._dev_args.values():
             b.free()

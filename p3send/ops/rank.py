@@ -41,6 +41,7 @@ from ..abi.config import rank_config, shape_problems
 from ..abi.errors import ArrivalTimeout, ConfigError, P3SendError
 from ..abi.layout import recv_buf_bytes
 from ..cuda import driver
+from .args import aligned, array_arg, warn_deprecated
 from .combine import (GUARD, arrival_status, bound_inputs, device_ptr_or_none, own_inputs, rank_buffers,
                       rank_inputs)
 from .recv import RecvReduce
@@ -119,8 +120,9 @@ class Rank:
         b = rank_buffers(self._alloc, n_ranks=self.n_ranks, n_local=self.n_local, max_tokens=self.max_tokens,
                          top_k=self.top_k, msg=self.msg, max_rows=self.max_rows, guard=self.guard,
                          row_cache=row_cache, inputs=inputs)
-        for name in ("recv", "counts", "c", "offs", "rtab", "src_info", "row_base", "topk_idx", "weights", "out"):
-            setattr(self, name, getattr(b, name))
+        self.recv, self.counts, self.c = b.recv, b.counts, b.c
+        self.expert_offsets, self.range_table, self.src_info = b.expert_offsets, b.range_table, b.src_info
+        self.row_base, self.topk_idx, self.weights, self.out = b.row_base, b.topk_idx, b.weights, b.out
         self.sender = ScatterSend(self.n_local, device=self.dev, num_sms=num_sms)
         self.receiver = RecvReduce(device=self.dev)
         self.stream = driver.Stream()
@@ -147,7 +149,7 @@ class Rank:
             recv_ptrs.append(self._open(info["recv"]) + info["recv_offset"])
             self.count_ptrs.append(self._open(info["counts"]))
         self.recv_ptrs = recv_ptrs
-        self.cfg = self._config() if self.rtab is not None else None
+        self.cfg = self._config() if self.range_table is not None else None
         # one decision for the whole world (every rank must run the same syncs): on when any
         # two ranks share a GPU
         shared = len({i["bus_id"] for i in self.peers}) < self.n_ranks
@@ -156,7 +158,7 @@ class Rank:
     def _config(self):
         return rank_config(my_rank=self.rank, n_ranks=self.n_ranks, recv_bufs=self.recv_ptrs, top_k=self.top_k,
                            msg_bytes=self.msg, max_tokens=self.max_tokens,
-                           range_table=driver.device_ptr(self.rtab, "range_table"),
+                           range_table=driver.device_ptr(self.range_table, "range_table"),
                            src_info=driver.device_ptr(self.src_info, "src_info"),
                            row_base=device_ptr_or_none(self.row_base, "row_base"))
 
@@ -186,53 +188,112 @@ class Rank:
 
     # ------------------------------------------------------------ inputs
     def load(self, world) -> None:
-        """Upload this rank's share of a ``cases.World``: its C and routing as an expert
-        owner, its tokens' topk_idx and weights."""
-        if world.n_ranks != self.n_ranks:
-            raise ConfigError(f"world: expected {self.n_ranks} ranks, got {world.n_ranks}", "world")
+        """Upload this rank's share of a ``p3send.oracle.cases.World``: its C and routing as
+        an expert owner, its tokens' topk_idx and weights (``set_inputs``).
+
+        Raises:
+            ConfigError: the world has another number of ranks, or as ``set_inputs``.
+        """
+        if getattr(world, "n_ranks", None) != self.n_ranks:
+            raise ConfigError([f"world: expected {self.n_ranks} ranks, got {getattr(world, 'n_ranks', world)!r}"],
+                              f"Rank {self.rank}.load")
         d = world.ranks[self.rank]
         self.set_inputs(c=d.c, expert_offsets=d.expert_offsets, range_table=d.range_table,
                         src_info=d.src_info, topk_idx=d.topk_idx, weights=d.weights)
 
     def set_inputs(self, *, c, expert_offsets, range_table, src_info, topk_idx, weights) -> None:
-        """Upload this rank's inputs (numpy; shapes as ``Combine.set_rank``). Capture graphs after this."""
+        """Upload this rank's inputs from host arrays into the buffers it owns; capture graphs
+        after this.
+
+        Args:
+            c, expert_offsets, range_table, src_info, topk_idx, weights: numpy arrays, shapes
+                and dtypes as ``Combine.set_inputs``.
+
+        Raises:
+            ConfigError: a shape, size or value is wrong, or the inputs are the caller's.
+        """
+        self._usable()
         a = rank_inputs(f"rank {self.rank} inputs", c=c, expert_offsets=expert_offsets, range_table=range_table,
                         src_info=src_info, topk_idx=topk_idx, weights=weights, hidden=self.hidden,
                         top_k=self.top_k, n_local=self.n_local, n_ranks=self.n_ranks, max_rows=self.max_rows,
                         max_tokens=self.max_tokens)
-        own_inputs(f"Rank {self.rank}.set_inputs", (self.c, self.offs, self.rtab, self.src_info, self.topk_idx,
-                                                    self.weights))
-        for buf, key in ((self.c, "c"), (self.offs, "offs"), (self.rtab, "rtab"), (self.src_info, "src_info"),
-                         (self.topk_idx, "topk_idx"), (self.weights, "weights")):
-            buf.upload(a[key])
+        own_inputs(f"Rank {self.rank}.set_inputs", (self.c, self.expert_offsets, self.range_table, self.src_info,
+                                                    self.topk_idx, self.weights))
+        self.c.upload(a["c"])
+        self.expert_offsets.upload(a["expert_offsets"])
+        self.range_table.upload(a["range_table"])
+        self.src_info.upload(a["src_info"])
+        self.topk_idx.upload(a["topk_idx"])
+        self.weights.upload(a["weights"])
         self.tokens = a["topk_idx"].shape[0]
-        self.sender.prepare(self.cfg, self.c, self.offs, count_ptrs=self.count_ptrs, expert_offsets_host=a["offs"],
-                            row_cache=self.row_base is not None, rows_in_c=self.max_rows)
-        self.receiver.prepare(self.cfg, self.recv.ptr + self.guard, self.counts, self.topk_idx, self.weights,
-                              self.out, n_tokens=self.tokens, n_experts=self.n_local, timeout_ns=self.timeout_ns)
+        self._prepare(a["expert_offsets"])
 
     def bind(self, *, c, expert_offsets, range_table, src_info, topk_idx, weights, out) -> None:
-        """Attach this rank's inputs and output as device arrays it does not own (torch
-        tensors, CAI objects, DeviceBuffers; as ``combine.Combine.bind``), checked for
-        dtype, device and size before any launch. Rounds and captured graphs read them in
-        place; the token count is ``topk_idx``'s leading dimension now."""
+        """Attach this rank's inputs and output as device arrays it does not own (as
+        ``Combine.bind``, without the rank argument), checked for dtype, device and size
+        before any launch. Rounds and captured graphs read them in place; the token count
+        is ``topk_idx``'s leading dimension now.
+
+        Args:
+            c, expert_offsets, range_table, src_info, topk_idx, weights, out: device arrays,
+                shapes and dtypes as ``Combine.bind``.
+
+        Raises:
+            ConfigError: every wrong dtype, device or size, listed.
+        """
         self._usable()
         self.tokens = bound_inputs(f"rank {self.rank} inputs", self.dev.ordinal, c=c, expert_offsets=expert_offsets,
                                    range_table=range_table, src_info=src_info, topk_idx=topk_idx, weights=weights,
                                    out=out, hidden=self.hidden, top_k=self.top_k, n_local=self.n_local,
                                    n_ranks=self.n_ranks, max_tokens=self.max_tokens)
-        self.c, self.offs, self.rtab, self.src_info = c, expert_offsets, range_table, src_info
+        self.c, self.expert_offsets, self.range_table, self.src_info = c, expert_offsets, range_table, src_info
         self.topk_idx, self.weights, self.out = topk_idx, weights, out
         self.cfg = self._config()
-        self.sender.prepare(self.cfg, self.c, self.offs, count_ptrs=self.count_ptrs,
-                            row_cache=self.row_base is not None, rows_in_c=self.max_rows)
+        self._prepare(None)
+
+    def set_output(self, out) -> None:
+        """Point this rank's reduce at a new output array, nothing else changed.
+
+        Args:
+            out: bf16 (tokens, hidden) on this rank's GPU, tokens as last bound.
+
+        Raises:
+            ConfigError: ``out`` is too small, of another dtype or on another device.
+        """
+        self._usable()
+        problems = []
+        addr, _ = array_arg(out, "out", problems, dtypes=("bfloat16", "uint16", "int16"),
+                            nbytes_min=2 * self.tokens * self.hidden, ordinal=self.dev.ordinal)
+        aligned("out", addr, 16, problems)
+        if problems:
+            raise ConfigError(problems, f"rank {self.rank} output")
+        self.out = out
+        self.receiver.block.set(out_ptr=addr)
+
+    def _prepare(self, host_offsets) -> None:
+        self.sender.prepare(self.cfg, self.c, self.expert_offsets, count_ptrs=self.count_ptrs,
+                            expert_offsets_host=host_offsets, row_cache=self.row_base is not None,
+                            rows_in_c=self.max_rows)
         self.receiver.prepare(self.cfg, self.recv.ptr + self.guard, self.counts, self.topk_idx, self.weights,
                               self.out, n_tokens=self.tokens, n_experts=self.n_local, timeout_ns=self.timeout_ns)
 
     def refill_c(self, c) -> None:
-        """New C values, same routing (between rounds or graph replays). c: bf16 bits (rows, hidden)."""
+        """New C values, same routing (between rounds or graph replays). c: bf16 bits,
+        uint16 (rows, hidden)."""
         own_inputs(f"Rank {self.rank}.refill_c", (self.c,))
         self.c.upload(np.ascontiguousarray(c).view(np.uint16))
+
+    @property
+    def offs(self):
+        """Deprecated alias of ``expert_offsets`` (removed in 0.3)."""
+        warn_deprecated("Rank.offs", "Rank.expert_offsets")
+        return self.expert_offsets
+
+    @property
+    def rtab(self):
+        """Deprecated alias of ``range_table`` (removed in 0.3)."""
+        warn_deprecated("Rank.rtab", "Rank.range_table")
+        return self.range_table
 
     # ------------------------------------------------------------ the round
     def _usable(self, in_round: bool = False) -> None:
@@ -244,11 +305,20 @@ class Rank:
             raise P3SendError(f"rank {self.rank}: a host sync of this world failed earlier, so the ranks are out "
                               "of step; close this Rank and build a new world")
 
-    def _enqueue_send(self, stream=None) -> None:
-        s = self.stream if stream is None else stream
-        if self.row_base is not None:
-            self.row_base.fill(0, s)
-        self.sender.launch(s)
+    def enqueue(self, stream=None, *, send: bool = True, receive: bool = True) -> None:
+        """Enqueue this rank's send and/or receive on ``stream`` (a torch or cupy stream, a
+        handle, a ``driver.Stream``; default the Rank's own) with no host synchronisation
+        and no barrier: for ranks on different GPUs, whose receive may run concurrently with
+        the peers' sends (on a shared GPU use ``round``). The caller owns the host barrier
+        between rounds (``settle``)."""
+        self._usable()
+        s = self.stream if stream is None else driver.as_stream(stream)
+        if send:
+            if self.row_base is not None:
+                self.row_base.fill(0, s)
+            self.sender.launch(s)
+        if receive:
+            self.receiver.launch(s)
 
     def send(self, graph: driver.Graph | None = None, *, skip: bool = False, stream=None) -> None:
         """Run this rank's send (or its captured graph) and wait for it. ``skip`` sends
@@ -260,7 +330,7 @@ class Rank:
         if graph is not None:
             graph.launch(s)
         elif not skip:
-            self._enqueue_send(s)
+            self.enqueue(s, receive=False)
         self._events[1].record(s)
         s.synchronize()
 
@@ -306,8 +376,16 @@ class Rank:
             raise late
 
     def round(self, graphs: tuple | None = None, *, skip_send: bool = False, stream=None) -> None:
-        """One whole round: send, (mid barrier), receive, settle. ``graphs``: the pair
-        from ``capture()`` to replay instead of launching; ``stream`` as in ``send``."""
+        """One whole round: send, (mid barrier), receive, settle.
+
+        Args:
+            graphs: the pair from ``capture()`` to replay instead of launching, or None.
+            skip_send: send nothing (a rank that never sends).
+            stream: as in ``send``.
+
+        Raises:
+            ArrivalTimeout: this rank's missing pairs; ExchangeTimeout: a host sync failed.
+        """
         send_graph, recv_graph = graphs if graphs is not None else (None, None)
         self.send(send_graph, skip=skip_send, stream=stream)
         late = None
@@ -324,7 +402,7 @@ class Rank:
         host barrier between them; closed with the Rank. Capture again after set_inputs."""
         self._usable()
         with driver.Graph.capture(self.stream) as cs:
-            self._enqueue_send()
+            self.enqueue(receive=False)
         self._graphs.append(cs.graph)
         with driver.Graph.capture(self.stream) as cr:
             self.receiver.launch(self.stream)
@@ -337,7 +415,11 @@ class Rank:
         return self.out.download(np.uint16, shape=(self.tokens, self.hidden))
 
     def recv_view(self, with_guard: bool = False) -> np.ndarray:
-        """This rank's receive buffer, flat uint8 (with its guards if asked)."""
+        """This rank's receive buffer, flat uint8.
+
+        Args:
+            with_guard: include the sentinel guard bytes on each side.
+        """
         raw = self.recv.download()
         return raw if with_guard else raw[self.guard:self.guard + self.recv_bytes]
 

@@ -12,7 +12,10 @@ from .args import aligned, array_arg
 
 
 class RecvReduce:
-    """Launcher for ``p3_recv_reduce`` for one receiving rank: owns its state and record."""
+    """Launcher for ``p3_recv_reduce`` for one receiving rank: owns its state and record.
+
+    ``max_ctas`` caps the grid (default 4 CTAs per SM: a rank with the GPU to itself).
+    """
 
     THREADS = 256
 
@@ -27,6 +30,26 @@ class RecvReduce:
 
     def prepare(self, cfg: P3PeerSendConfig, recv, counts, topk_idx, weights, out, *, n_tokens: int,
                 n_experts: int, timeout_ns: int, stamps=None) -> ParamBlock:
+        """Validate every argument and fill the parameter block (no launch).
+
+        Args:
+            cfg: this rank's config (n_ranks, top_k, msg_bytes, max_tokens_per_rank are read).
+            recv: this rank's receive buffer, u8 (max_tokens_per_rank, top_k, msg_bytes), 16-aligned.
+            counts: its receive counts, u64 [n_experts*n_ranks], all-ones before the first round.
+            topk_idx: int32 (n_tokens, top_k) global expert ids (-1 or out of range: masked).
+            weights: float32 (n_tokens, top_k) router weights (read when ``out`` is given).
+            out: bf16 (n_tokens, msg_bytes/2), 16-aligned, or None: unreduced mode.
+            n_tokens: tokens of this rank, <= max_tokens_per_rank.
+            n_experts: local experts per rank.
+            timeout_ns: how long a wait may take, from its CTA's start (0: poll once).
+            stamps: u64 [4*CTAs] zeroed before each launch, or None.
+
+        Returns:
+            The filled ParamBlock.
+
+        Raises:
+            ConfigError: every bad argument, listed, before anything is launched.
+        """
         problems = [p for p in (n_ranks_problem(cfg.n_ranks), top_k_problem(cfg.top_k),
                                 msg_bytes_problem(cfg.msg_bytes)) if p]
         if not (0 <= n_tokens <= cfg.max_tokens_per_rank):
@@ -61,6 +84,12 @@ class RecvReduce:
                               stamp_ptr=0 if stamps is None else stamps, n_tokens=n_tokens, n_experts=n_experts)
 
     def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
+        """Enqueue the prepared receive on ``stream`` (no host wait).
+
+        Args:
+            stream: a ``driver.Stream``.
+            block: a prepared block, or None: the launcher's own.
+        """
         (block or self.block).launch((self.grid,), (self.THREADS,), stream)
 
     def record(self) -> dict:
@@ -70,5 +99,6 @@ class RecvReduce:
                 "first_missing_slot": int(np.int64(d[1])), "value": int(d[2]), "end_ns": int(d[3])}
 
     def close(self) -> None:
+        """Free the receiver state and record."""
         self.state.free()
         self.diag.free()

@@ -103,13 +103,25 @@ class SendLauncher:
     offsets_buf: driver.DeviceBuffer | None = None
 
     def send_args(self, cfg: P3PeerSendConfig, expert_offsets, **kw) -> SendArgs:
-        """``send_args`` for this launcher (its experts, its GPU, its staging buffer)."""
+        """``send_args`` for this launcher (its experts, its GPU, its staging buffer).
+
+        Args:
+            cfg, expert_offsets: as ``send_args``.
+            **kw: the other keywords of ``send_args`` (host_offsets, rows_cap, count_ptrs,
+                row_cache, p3_control, same_gpu).
+        """
         if isinstance(expert_offsets, np.ndarray) and self.offsets_buf is None:
             self.offsets_buf = driver.DeviceBuffer(4 * (self.n_experts + 1))
         return send_args(cfg, expert_offsets, n_experts=self.n_experts, ordinal=self.dev.ordinal,
                          staging=self.offsets_buf, **kw)
 
     def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
+        """Enqueue a prepared launch on ``stream`` (no host wait).
+
+        Args:
+            stream: a ``driver.Stream``.
+            block: a block from ``prepare(..., into=...)``, or None: the launcher's own.
+        """
         (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
 
     def __call__(self, *args, stream=None, **kw) -> None:
@@ -127,6 +139,7 @@ class SendLauncher:
         return read_diagnostics(self.diag, reset)
 
     def close(self) -> None:
+        """Free the state, diagnostics and staging buffers."""
         for b in (self.state, self.diag, getattr(self, "ctx", None), self.offsets_buf):
             if b is not None:
                 b.free()
@@ -192,9 +205,14 @@ class ScatterSend(SendLauncher):
         self.budget = num_sms is not None and num_sms < sms
 
     def tile_smem(self, cfg: P3PeerSendConfig, threads: int | None = None) -> int:
-        """The tile launch's dynamic shared memory (the PTX header's formula): the vectors'
-        slots 128*B, the row table 8*(1 + ceil((8*B - 1) / nv)), the offsets (8-byte padded)
-        and the range table."""
+        """The tile launch's dynamic shared memory in bytes (the PTX header's formula): the
+        vectors' slots 128*B, the row table 8*(1 + ceil((8*B - 1) / nv)), the offsets (8-byte
+        padded) and the range table.
+
+        Args:
+            cfg: the config (its msg_bytes and n_ranks).
+            threads: the CTA size B (default the tile launch's).
+        """
         b, nv = threads or self.tile_threads, max(cfg.msg_bytes // 16, 1)
         n, ranks = self.n_experts, max(int(cfg.n_ranks), 0)
         return 128 * b + 8 * (1 + -(-(8 * b - 1) // nv)) + 8 * ((n + 2) // 2) + 8 * n * ranks
@@ -211,8 +229,13 @@ class ScatterSend(SendLauncher):
         return max(1, min(tiles, (1 << 31) - 1)), self.tile_threads, smem
 
     def launch(self, stream, block: ParamBlock | None = None) -> None:
-        """Launch a prepared block in the shape ``prepare`` chose; a budget set after a block
-        was prepared for the tile launch turns it into the persistent launch."""
+        """Enqueue a prepared block in the shape ``prepare`` chose; a budget set after a
+        block was prepared for the tile launch turns it into the persistent launch.
+
+        Args:
+            stream: a ``driver.Stream``.
+            block: a block from ``prepare(..., into=...)``, or None: the launcher's own.
+        """
         blk = block or self.block
         shape = getattr(blk, "launch_shape", None)
         if shape is not None and self.budget:
@@ -228,14 +251,28 @@ class ScatterSend(SendLauncher):
                 into: ParamBlock | None = None) -> ParamBlock:
         """Validate every argument and fill the parameter block (no launch).
 
-        cfg: the config; c: C (DeviceBuffer / CAI object / address), rows of
-        ``cfg.msg_bytes`` at ``c_row_stride`` (default msg_bytes); expert_offsets: int32
-        (n_experts+1,) on the device (DeviceBuffer/CAI/address) -- pass the same values as
-        a numpy array in ``expert_offsets_host`` (or pass a numpy array as expert_offsets,
-        uploaded once) so bounds are checked; count_ptrs: up to 8 receive-count arrays
-        (enables the arrival signal); same_gpu: every receiver is on this GPU, so the signal
-        may use .gpu-scope release (docs/PROTOCOL.md, "Visibility rules"); into: fill this
-        block instead of the launcher's own (several prepared launches, e.g. rotating inputs).
+        Args:
+            cfg: the sender's P3PeerSendConfig.
+            c: C, rows of ``cfg.msg_bytes`` bytes at ``c_row_stride`` (absolute row r at
+                ``c + r*c_row_stride``), 16-byte aligned: a DeviceBuffer, a CAI object, a
+                torch tensor or an address.
+            expert_offsets: int32 (n_experts+1,) on the device, or a numpy array (uploaded
+                into the launcher's staging buffer and checked).
+            c_row_stride: bytes between rows of C, a multiple of 16 >= msg_bytes (default msg_bytes).
+            count_ptrs: up to 8 receive-count arrays (u64 [n_experts*n_ranks]) of the p2p
+                ranks, as seen from here: enables the arrival signal; None: no signal.
+            row_cache: resolve rows through ``cfg.row_base_ptr`` (zeroed before every launch).
+            p3_control: < 0 turns the send off (the MAX gate).
+            same_gpu: every receiver is on this GPU: the signal uses .gpu-scope release.
+            expert_offsets_host: the device offsets' values as numpy, so bounds are checked.
+            rows_in_c: rows C holds (default: from C's size when known).
+            into: fill this block (from ``self.k.params_block()``) instead of the launcher's own.
+
+        Returns:
+            The filled ParamBlock (``launch`` takes it).
+
+        Raises:
+            ConfigError: every bad argument, listed, before anything is launched.
         """
         stride = cfg.msg_bytes if c_row_stride is None else int(c_row_stride)
         arg_problems = []
@@ -304,8 +341,23 @@ class EpilogueSend(SendLauncher):
     def prepare(self, cfg: P3PeerSendConfig, acc, n_cols: int, expert_offsets, *, acc_stride: int | None = None,
                 count_ptrs=None, row_cache: bool = False, p3_control: int = 0, same_gpu: bool = False,
                 expert_offsets_host=None, rows_in_acc: int | None = None) -> ParamBlock:
-        """acc: fp32 (rows, >= n_cols) accumulators by absolute row; n_cols: hidden (cfg.msg_bytes
-        must be 2*n_cols); the rest as ``ScatterSend.prepare``."""
+        """Validate every argument and fill the parameter block (no launch).
+
+        Args:
+            cfg: the sender's config; msg_bytes must be 2*n_cols (bf16 rows).
+            acc: float32 (rows, >= n_cols) accumulators by absolute row, 16-byte aligned.
+            n_cols: the hidden size, a positive multiple of 8.
+            expert_offsets: as ``ScatterSend.prepare``.
+            acc_stride: bytes between rows of acc (default 4*n_cols).
+            count_ptrs, row_cache, p3_control, same_gpu, expert_offsets_host: as ``ScatterSend.prepare``.
+            rows_in_acc: rows acc holds (default: from its size when known).
+
+        Returns:
+            The filled ParamBlock.
+
+        Raises:
+            ConfigError: every bad argument, listed, before anything is launched.
+        """
         stride = 4 * n_cols if acc_stride is None else int(acc_stride)
         arg_problems = []
         acc_addr, nb = array_arg(acc, "acc", arg_problems, dtypes=("float32",), ordinal=self.dev.ordinal,

@@ -11,7 +11,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "p3send"
 ORDER = ["abi", "cuda", "ops", "torch"]          # a layer may import the ones before it
-NOT_RUNTIME = {"oracle", "cli"}
+NOT_RUNTIME = {"oracle", "cli", "conform", "bench", "tracing"}
 
 
 def layer_of(path: Path) -> str:
@@ -73,3 +73,171 @@ def test_the_checker_sees_a_crossing(tmp_path):
     fake = tmp_path / "ops" / "probe.py"
     fake.write_text("from ..oracle.reference import f32_to_bf16\nfrom ..cli import bench\nfrom . import send\n")
     assert p3send_imports(fake, tmp_path) == {"oracle", "cli", "ops"}
+
+
+# ---------------------------------------------------------------- beside the runtime
+#: What each non-runtime room may import (of p3send's own rooms); the runtime never imports them.
+BESIDE = {"oracle": set(ORDER), "conform": {"abi"}, "tracing": {"abi"}, "bench": set(ORDER) | {"oracle"},
+          "cli": None}   # None: anything
+
+
+@pytest.mark.parametrize("room", sorted(BESIDE))
+def test_a_room_beside_the_runtime_imports_only_what_it_may(room):
+    allowed = BESIDE[room]
+    paths = [p for p in sorted(PKG.rglob("*.py")) if layer_of(p) == room]
+    if not paths:
+        pytest.skip(f"p3send has no {room} room (yet)")
+    for path in paths:
+        bad = p3send_imports(path) - {room} - (allowed if allowed is not None else p3send_imports(path))
+        assert not bad, f"{path.relative_to(PKG)} ({room}) imports {sorted(bad)}; allowed: {sorted(allowed)}"
+
+
+# ---------------------------------------------------------------- the module graph
+def _module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["p3send", *parts])
+
+
+def module_graph(root: Path = PKG) -> dict[str, set[str]]:
+    """Every p3send module -> the p3send modules it imports, anywhere in its body (function-local
+    imports included: a circle they hide still fails at some call)."""
+    mods = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        pkg = name if is_pkg else name.rsplit(".", 1)[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + (node.module.split(".") if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("p3send"):
+                    continue
+                for a in node.names:          # `from pkg import module` names a module
+                    sub = f"{target}.{a.name}"
+                    deps.add(sub if sub in mods else target)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("p3send"))
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    circles = import_circles(module_graph())
+    assert not circles, f"import circles (function-local imports included): {circles}"
+
+
+def test_the_circle_finder_sees_a_circle(tmp_path):
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "__init__.py").write_text("")
+    (tmp_path / "cli" / "app.py").write_text("def f():\n    from .bench import g\n")
+    (tmp_path / "cli" / "bench.py").write_text("from . import app\n")
+    assert import_circles(module_graph(tmp_path)) == [["p3send.cli.app", "p3send.cli.bench"]]
+
+
+# ---------------------------------------------------------------- private names stay home
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("_")
+
+
+def _defined_here(tree: ast.AST) -> set[str]:
+    """Names a module defines or assigns as attributes (``def _x``, ``_x = ...``, ``self._x = ...``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return names
+
+
+def private_crossings(path: Path, root: Path = PKG) -> list[str]:
+    """Uses in ``path`` of another module's private names: ``from m import _x``, ``mod._x`` of an
+    imported p3send module, and ``self.a._x`` (a private attribute of another object) unless
+    this module defines ``_x`` itself."""
+    tree = ast.parse(path.read_text())
+    mine = _defined_here(tree)
+    modules = set()           # local names bound to p3send modules
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("p3send")):
+            for a in node.names:
+                if _private(a.name):
+                    found.append(f"line {node.lineno}: from {'.' * node.level}{node.module or ''} import {a.name}")
+                modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            modules.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("p3send"))
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        v = node.value
+        if isinstance(v, ast.Name) and v.id in modules:
+            found.append(f"line {node.lineno}: {v.id}.{node.attr}")
+        elif isinstance(v, ast.Attribute) and node.attr not in mine:
+            root_name = v
+            while isinstance(root_name, (ast.Attribute, ast.Subscript)):
+                root_name = root_name.value
+            if isinstance(root_name, ast.Name) and root_name.id in ("self", "cls"):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+ALL_MODULES = sorted(PKG.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", ALL_MODULES, ids=[str(p.relative_to(PKG)) for p in ALL_MODULES])
+def test_no_private_name_crosses_a_module(path):
+    found = private_crossings(path)
+    assert not found, f"{path.relative_to(PKG)} uses another module's private names: {found}"
+
+
+def test_the_private_name_checker_sees_a_crossing(tmp_path):
+    (tmp_path / "ops").mkdir()
+    probe = tmp_path / "ops" / "probe.py"
+    probe.write_text("from .send import _send_args\nfrom ..cuda import driver\n\n"
+                     "class T:\n    def f(self):\n        driver._cu()\n        self._inner._enqueue_send()\n"
+                     "        self._mine()\n\n    def _mine(self):\n        pass\n")
+    found = private_crossings(probe, tmp_path)
+    assert [f.split(": ", 1)[1] for f in found] == ["from .send import _send_args", "driver._cu",
+                                                   "self._inner._enqueue_send()"[:-2]]

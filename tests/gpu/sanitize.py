@@ -45,7 +45,7 @@ def main() -> int:
     world = world_case(n_ranks=3, tokens=20, top_k=3, n_local=2, hidden=64, seed=7, masked=0.2)
     comb = Combine(3, max_tokens=24, top_k=3, hidden=64, n_local_experts=2, device=dev, guard=True,
                    timeout_ms=500, row_cache=True)
-    comb.load_world(world)
+    comb.load(world)
     comb.round()
     g = comb.capture()
     for _ in range(3):

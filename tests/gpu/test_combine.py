@@ -29,7 +29,7 @@ WORLDS = {
 def make(dev, world, **kw) -> Combine:
     comb = Combine(world.n_ranks, max_tokens=world.tokens + 3, top_k=world.top_k, hidden=world.hidden,
                    n_local_experts=world.n_local, device=dev, guard=True, timeout_ms=kw.pop("timeout_ms", 2000), **kw)
-    comb.load_world(world)
+    comb.load(world)
     return comb
 
 

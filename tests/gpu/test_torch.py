@@ -40,8 +40,8 @@ class Inputs:
         dev = "cuda"
         self.acts = torch.zeros((R, max_rows, H), dtype=torch.float32, device=dev)
         self.rows = torch.zeros((R, max_rows, H), dtype=torch.bfloat16, device=dev)
-        self.offs = torch.zeros((R, L + 1), dtype=torch.int32, device=dev)
-        self.rtab = torch.zeros((R, 2 * L * R), dtype=torch.int32, device=dev)
+        self.expert_offsets = torch.zeros((R, L + 1), dtype=torch.int32, device=dev)
+        self.range_table = torch.zeros((R, 2 * L * R), dtype=torch.int32, device=dev)
         self.src = torch.full((R, max_rows, 2), -1, dtype=torch.int32, device=dev)
         self.topk = torch.zeros((R, T, K), dtype=torch.int32, device=dev)
         self.w = torch.zeros((R, T, K), dtype=torch.float32, device=dev)
@@ -58,8 +58,8 @@ class Inputs:
             self.acts[r, :n].copy_(torch.from_numpy(vals))
             if rows_too:
                 self.rows[r, :n].copy_(torch.from_numpy(d.c.view(np.int16)).view(torch.bfloat16))
-            self.offs[r].copy_(torch.from_numpy(d.expert_offsets.astype(np.int32)))
-            self.rtab[r].copy_(torch.from_numpy(d.range_table.astype(np.int32)))
+            self.expert_offsets[r].copy_(torch.from_numpy(d.expert_offsets.astype(np.int32)))
+            self.range_table[r].copy_(torch.from_numpy(d.range_table.astype(np.int32)))
             self.src[r].fill_(-1)
             self.src[r, :n].copy_(torch.from_numpy(d.src_info.astype(np.int32)))
             self.topk[r].copy_(torch.from_numpy(d.topk_idx.astype(np.int32)))
@@ -67,7 +67,7 @@ class Inputs:
         torch.cuda.synchronize()
 
     def args(self):
-        return self.rows, self.offs, self.rtab, self.src, self.topk, self.w
+        return self.rows, self.expert_offsets, self.range_table, self.src, self.topk, self.w
 
 
 def bits(t):
@@ -116,7 +116,7 @@ def test_combine_round_on_any_stream_object(dev):
     from cuda.bindings import driver as cu
     world = world_case(n_ranks=4, tokens=32, top_k=4, n_local=2, hidden=256, seed=fresh_seed("streams"))
     comb = Combine(4, max_tokens=32, top_k=4, hidden=256, n_local_experts=2, device=dev, guard=True)
-    comb.load_world(world)
+    comb.load(world)
     ts = torch.cuda.Stream()
     kinds = {"torch.cuda.Stream": ts, "torch ExternalStream": torch.cuda.ExternalStream(ts.cuda_stream),
              "__cuda_stream__": CudaStreamProtocol(ts.cuda_stream), "int": int(ts.cuda_stream),
@@ -234,7 +234,7 @@ def test_wrong_dtype_device_or_size_is_refused_before_any_launch(dev):
             "topk_idx int64": (4, inp.topk.long(), ["topk_idx: expected dtype int32"]),
             "weights on the CPU": (5, inp.w.cpu(), ["weights: expected memory of GPU", "got cpu"]),
             "src_info too small": (3, inp.src[:, :1], ["src_info: expected at least"]),
-            "range_table wrong shape": (2, inp.rtab[:, :3], ["range_table: expected shape"]),
+            "range_table wrong shape": (2, inp.range_table[:, :3], ["range_table: expected shape"]),
         }
         for name, (i, bad, words) in cases.items():
             args = list(a)
@@ -253,12 +253,12 @@ def test_wrong_dtype_device_or_size_is_refused_before_any_launch(dev):
     from p3send.ops.send import ScatterSend
     comb = Combine(R, max_tokens=T, top_k=K, hidden=H, n_local_experts=L, device=dev)
     try:
-        comb.load_world(world)
+        comb.load(world)
         s = ScatterSend(L, device=dev)
         with pytest.raises(ConfigError, match="expert_offsets: expected dtype int32"):
-            s.prepare(comb.cfgs[0], inp.rows[0], inp.offs[0].float())
+            s.prepare(comb.cfgs[0], inp.rows[0], inp.expert_offsets[0].float())
         with pytest.raises(ConfigError, match="c: expected memory of GPU"):
-            s.prepare(comb.cfgs[0], inp.rows[0].cpu(), inp.offs[0])
+            s.prepare(comb.cfgs[0], inp.rows[0].cpu(), inp.expert_offsets[0])
         rv = RecvReduce(device=dev)
         with pytest.raises(ConfigError, match="out: expected at least"):
             rv.prepare(comb.cfgs[0], comb.recv_ptr(0), comb.counts[0], inp.topk[0], inp.w[0],
@@ -330,8 +330,8 @@ def torch_rank_job(rank, _exchange, job):
     ws = worlds(seed, rounds, n_ranks=R, tokens=T, top_k=K, n_local=L, hidden=H)
     mr = max_rows(ws)
     rows = torch.zeros((mr, H), dtype=torch.bfloat16, device="cuda")
-    offs = torch.zeros((L + 1,), dtype=torch.int32, device="cuda")
-    rtab = torch.zeros((2 * L * R,), dtype=torch.int32, device="cuda")
+    expert_offsets = torch.zeros((L + 1,), dtype=torch.int32, device="cuda")
+    range_table = torch.zeros((2 * L * R,), dtype=torch.int32, device="cuda")
     src = torch.full((mr, 2), -1, dtype=torch.int32, device="cuda")
     topk = torch.zeros((T, K), dtype=torch.int32, device="cuda")
     w = torch.zeros((T, K), dtype=torch.float32, device="cuda")
@@ -344,14 +344,14 @@ def torch_rank_job(rank, _exchange, job):
             d = world.ranks[rank]
             n = d.c.shape[0]
             rows[:n].copy_(torch.from_numpy(d.c.view(np.int16)).view(torch.bfloat16))
-            offs.copy_(torch.from_numpy(d.expert_offsets.astype(np.int32)))
-            rtab.copy_(torch.from_numpy(d.range_table.astype(np.int32)))
+            expert_offsets.copy_(torch.from_numpy(d.expert_offsets.astype(np.int32)))
+            range_table.copy_(torch.from_numpy(d.range_table.astype(np.int32)))
             src[:n].copy_(torch.from_numpy(d.src_info.astype(np.int32)))
             topk.copy_(torch.from_numpy(d.topk_idx.astype(np.int32)))
             w.copy_(torch.from_numpy(d.weights.astype(np.float32)))
             torch.cuda.synchronize()
             with torch.cuda.stream(side):
-                out = tr.step(rows, offs, rtab, src, topk, w)
+                out = tr.step(rows, expert_offsets, range_table, src, topk, w)
             o = bits(out)
             problems += [f"round {i}: {p}" for p in
                          check_world(world, lambda r: tr.recv_view(with_guard=True), lambda r: o,
@@ -390,7 +390,7 @@ def test_torch_op_graph_replay_costs_within_5_percent_of_combine(dev):
     world = world_case(n_ranks=R, tokens=T, top_k=K, n_local=L, hidden=H, seed=seed)
     mr = max_rows([world])
     comb = Combine(R, max_tokens=T, top_k=K, hidden=H, n_local_experts=L, device=dev, stamps=False, max_rows=mr)
-    comb.load_world(world)
+    comb.load(world)
     inp = Inputs(R, T, K, L, H, mr)
     inp.load(world, np.random.default_rng(seed))
     tc = TorchCombine(R, max_tokens=T, top_k=K, hidden=H, n_local_experts=L, max_rows=mr)
