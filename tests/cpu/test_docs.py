@@ -385,3 +385,38 @@ def test_the_epilogue_send_keeps_four_ctas_per_sm():
     assert 4 * threads * (-(-regs // 8) * 8) <= 65536, (
         f"p3_epilogue_send with p3_send_rows inlined uses {regs} registers per thread: four CTAs of "
         f"{threads} threads no longer fit an SM (docs/PERF.md)")
+
+
+def test_the_kernels_table_lists_every_shipped_ptx_file():
+    # the table at the top of docs/KERNELS.md: `ptx/<file>.ptx` | `.entry name` / `.func ...` | role
+    text = KERNELS.read_text()
+    top = text[: text.index("\n## ")]
+    rows = re.findall(r"^\| `ptx/([A-Za-z0-9_]+)\.ptx` \| ([^|]+) \|", top, flags=re.M)
+    listed = {name: what for name, what in rows}
+    shipped = {p.stem: p.read_text() for p in sorted(PTX_DIR.glob("*.ptx"))}
+    assert sorted(listed) == sorted(shipped), (
+        f"docs/KERNELS.md lists {sorted(listed)}; ptx/ holds {sorted(shipped)}")
+    for name, what in listed.items():
+        entries = re.findall(r"^\.(?:visible )?\.entry\s+(\w+)", shipped[name], flags=re.M)
+        # defined functions only (a prototype ends in ';' before any '{')
+        funcs = re.findall(r"^\.visible \.func(?:\s+\([^)]*\))?\s+(\w+)\s*\([^;{]*\)\s*\{", shipped[name],
+                           flags=re.M)
+        for e in entries:
+            assert f".entry {e}" in what, f"docs/KERNELS.md row of {name}.ptx does not name its entry {e}"
+        for f in funcs:
+            assert f in what, f"docs/KERNELS.md row of {name}.ptx does not name its function {f}"
+        assert entries or funcs, f"{name}.ptx has no entry and no visible function"
+
+
+def test_the_glossary_defines_the_terms_the_documents_lean_on():
+    index = (DOCS / "README.md").read_text()
+    assert "## Glossary" in index
+    glossary = index[index.index("## Glossary"):]
+    terms = re.findall(r"^\| ([^|]+) \|", glossary, flags=re.M)[2:]     # skip the header rows
+    defined = {t.strip() for row in terms for t in row.replace("`", "").split(",")}
+    for term in ("Region A", "the MAX gate", "p3_control", "range table", "src_info", "slot", "pair",
+                 "receive buffer", "p2p peer", "round", "disabled()", "mailbox (send_mbx)", "sentinel"):
+        assert term in defined, f"docs/README.md's glossary does not define {term!r}"
+    for term in ("Region A", "the MAX gate"):      # used in the documents, so defined at first use too
+        used = [d.name for d in sorted(DOCS.glob("*.md")) if d.name != "README.md" and term in d.read_text()]
+        assert used, f"{term!r} is defined but no document uses it"

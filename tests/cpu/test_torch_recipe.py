@@ -47,3 +47,22 @@ def test_the_recipe_parses_and_its_p3send_imports_resolve():
                 importlib.import_module(module)
             continue
         assert hasattr(importlib.import_module(module), name), f"{module} has no {name}"
+
+
+#: Where the Python blocks of docs/EMBEDDING.md may import from: the public API, the torch
+#: adapter, and the oracle's generators for test data (a runtime has its own routing).
+PUBLIC_MODULES = {"p3send", "p3send.torch", "p3send.oracle.cases"}
+
+
+def test_every_python_block_of_the_embedding_guide_uses_only_the_public_api():
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+    assert blocks
+    for block in blocks:
+        for node in ast.walk(ast.parse(block)):
+            mods = ([node.module] if isinstance(node, ast.ImportFrom) else
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for m in mods:
+                if (m or "").startswith("p3send"):
+                    assert m in PUBLIC_MODULES, f"docs/EMBEDDING.md imports {m}; the public API is {PUBLIC_MODULES}"
+        for name in re.findall(r"\bp3send\.([A-Za-z_]\w*)", block):
+            assert name in ("torch", "oracle") or hasattr(__import__("p3send"), name), f"p3send has no {name}"
