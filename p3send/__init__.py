@@ -20,7 +20,7 @@ import importlib
 from .abi.config import (CONFIG_DTYPE, FIELDS, P3_CONFIG_SIZE, P3_MAX_RANKS, P3_TRACE_SLOTS, P5_SEND_MBX_INTS,
                          P5_SEND_MBX_STRIDE, P3PeerSendConfig, P3SendCtx, rank_config, shape_problems, validate)
 from .abi.errors import (ArrivalTimeout, ConfigError, ConfigTypeError, ContextLostError, CudaError, FieldError,
-                         InputFileError, NoDeviceError, P3SendError, ParamMismatchError)
+                         InputFileError, NoDeviceError, P3SendError, ParamMismatchError, UnknownNameError)
 from .abi.layout import (NOT_ARRIVED, RANGE_READY_FLAG, SENTINEL, decode_range_table, encode_range_table,
                          recv_buf_bytes, recv_buf_layout, recv_count_layout, recv_counts_len)
 
@@ -52,7 +52,7 @@ _RENAMED = {"load_ptx": "load", "link_ptx": "link"}
 __all__ = ["CONFIG_DTYPE", "FIELDS", "P3_CONFIG_SIZE", "P3_MAX_RANKS", "P3_TRACE_SLOTS", "P5_SEND_MBX_INTS",
            "P5_SEND_MBX_STRIDE", "P3PeerSendConfig", "P3SendCtx", "rank_config", "shape_problems", "validate",
            "ArrivalTimeout", "ConfigError", "ConfigTypeError", "ContextLostError", "CudaError", "FieldError",
-           "InputFileError", "NoDeviceError", "P3SendError", "ParamMismatchError", "NOT_ARRIVED",
+           "InputFileError", "NoDeviceError", "P3SendError", "ParamMismatchError", "UnknownNameError", "NOT_ARRIVED",
            "RANGE_READY_FLAG", "SENTINEL", "decode_range_table", "encode_range_table", "recv_buf_bytes",
            "recv_buf_layout", "recv_count_layout", "recv_counts_len", "__version__", *_LAZY]
 
@@ -60,7 +60,7 @@ __all__ = ["CONFIG_DTYPE", "FIELDS", "P3_CONFIG_SIZE", "P3_MAX_RANKS", "P3_TRACE
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'p3send' has no attribute {name!r}")
+        raise UnknownNameError(f"module 'p3send' has no attribute {name!r}")
     mod = importlib.import_module(module)
     value = mod if name == "driver" else getattr(mod, _RENAMED.get(name, name))
     globals()[name] = value          # later lookups skip __getattr__

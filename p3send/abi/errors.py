@@ -41,6 +41,11 @@ class ConfigTypeError(ConfigError, TypeError):
     """A launch argument of the wrong type (e.g. not a P3PeerSendConfig, not an address)."""
 
 
+class ConfigIndexError(ConfigError, IndexError):
+    """An index outside an array of the config (e.g. ``cfg.recv_buf_ptrs[8] = addr``): also
+    an IndexError, as a plain ctypes array would raise."""
+
+
 class FieldError(ConfigError, AttributeError):
     """An attribute of a ``P3PeerSendConfig`` that is not one of its fields."""
 
@@ -102,3 +107,7 @@ class ArrivalTimeout(P3SendError, TimeoutError):
         super().__init__(
             f"arrival signal never came{t} from rank(s) {senders}: "
             f"{len(self.missing)} (expert, rank) pair(s) missing: {shown}{more}")
+
+
+class UnknownNameError(P3SendError, AttributeError):
+    """``p3send.<name>`` for a name the public API does not have."""

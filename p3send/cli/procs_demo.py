@@ -1,38 +1,17 @@
-"""``p3send demo --procs``: one process per rank, each verifying its own rank."""
+"""``p3send demo --procs``: one process per rank, each verifying its own rank
+(``oracle.rounds.run_round_job``); this file starts them and prints what each found."""
 from __future__ import annotations
 
-import os
 import time
 
-from ..abi.errors import ConfigError
-from ..cuda import driver
 from ..ops.procs import run_ranks
-from ..oracle.rounds import RoundJob, run_round_job
-
-# ---------------------------------------------------------------- p3send demo --procs
-
-def demo_devices() -> list[int]:
-    """GPUs for the ranks, round-robin: $P3SEND_DEVICES = "all" or "0,1,..."; else
-    [$P3SEND_DEVICE or 0] (every rank on one GPU)."""
-    n = driver.device_count()
-    spec = os.environ.get("P3SEND_DEVICES", "").strip()
-    if spec == "all":
-        return list(range(n))
-    devs = ([driver.env_ordinal("P3SEND_DEVICES", x) for x in spec.split(",") if x.strip()] if spec
-            else [driver.env_ordinal("P3SEND_DEVICE")])
-    bad = [d for d in devs if not 0 <= d < n]
-    if bad:
-        raise ConfigError(f"P3SEND_DEVICES: GPU(s) {bad} do not exist; the driver reports {n}", "P3SEND_DEVICES")
-    return devs
+from ..oracle.rounds import RoundJob, devices_from_env, run_round_job
 
 
 def demo_procs(args, seed: int) -> int:
-    """``p3send demo --procs``: one process per rank, each verifying its own rank."""
+    """0 when every rank verified, 1 otherwise (the shape was checked by ``demo``)."""
     n = args.ranks
-    if not (1 <= n <= 8):
-        print(f"p3send demo --procs: --ranks expected 1..8, got {n}")
-        return 2
-    devices = demo_devices()
+    devices = devices_from_env()
     job = RoundJob(tokens=args.tokens, top_k=args.top_k, n_local=args.experts, hidden=args.hidden, seed=seed,
                    rounds=1, replays=args.rounds, fresh_c=False, sync_timeout_s=180.0)
     placement = [devices[r % len(devices)] for r in range(n)]

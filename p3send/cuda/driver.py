@@ -133,19 +133,33 @@ class Device:
         self.name = call("cuDeviceGetName", 256, self.handle).split(b"\0")[0].decode()
 
     def activate(self) -> None:
+        """Make this GPU's primary context current in the calling thread."""
         global _current
         call("cuCtxSetCurrent", self.context)
         _current = self.ordinal
 
     def synchronize(self) -> None:
+        """Wait for all work on this GPU (``cuCtxSynchronize``); raises CudaError on a failed kernel."""
         self.activate()
         call("cuCtxSynchronize")
 
     def can_access_peer(self, other: Device) -> bool:
+        """Whether kernels here can reach ``other``'s memory by peer access (NVLink or PCIe P2P).
+
+        Args:
+            other: another Device.
+        """
         return bool(call("cuDeviceCanAccessPeer", self.handle, other.handle))
 
     def enable_peer_access(self, other: Device) -> None:
-        """Let kernels on this device access ``other``'s memory (idempotent)."""
+        """Let kernels on this device access ``other``'s memory (idempotent).
+
+        Args:
+            other: the Device whose memory this one's kernels will read and write.
+
+        Raises:
+            CudaError: no P2P path between the two GPUs, or the driver refused.
+        """
         if other.ordinal == self.ordinal:
             return
         if not self.can_access_peer(other):
@@ -216,9 +230,15 @@ class Stream:
         return s
 
     def synchronize(self) -> None:
+        """Wait until everything enqueued on this stream has completed."""
         call("cuStreamSynchronize", self.handle)
 
     def wait(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event`` (no host wait).
+
+        Args:
+            event: a recorded Event (any stream, this GPU or a peer).
+        """
         call("cuStreamWaitEvent", self.handle, event.handle, 0)
 
     def query(self) -> bool:
@@ -238,6 +258,7 @@ class Stream:
         return st != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     def close(self) -> None:
+        """Destroy the stream if this object created it (a borrowed one is left alone); idempotent."""
         if self._owned:
             self._owned = False
             call("cuStreamDestroy", self.handle)
@@ -273,20 +294,34 @@ def as_stream(obj) -> Stream:
 
 
 class Event:
+    """A CUDA event, for ordering streams and, with ``timing``, for measuring between two records."""
+
     def __init__(self, timing: bool = True):
         self.handle = call("cuEventCreate", 0 if timing else 2)  # 2 = CU_EVENT_DISABLE_TIMING
 
     def record(self, stream) -> Event:
+        """Record the event on ``stream`` (anything ``as_stream`` takes); returns self.
+
+        Args:
+            stream: the stream whose work so far the event marks.
+        """
         call("cuEventRecord", self.handle, as_stream(stream).handle)
         return self
 
     def synchronize(self) -> None:
+        """Wait on the host until the recorded work has completed."""
         call("cuEventSynchronize", self.handle)
 
     def elapsed_ms(self, end: Event) -> float:
+        """Milliseconds between this record and ``end``'s (both with ``timing``, both completed).
+
+        Args:
+            end: the later Event.
+        """
         return call("cuEventElapsedTime", self.handle, end.handle)
 
     def close(self) -> None:
+        """Destroy the event; idempotent."""
         if self.handle is not None:
             call("cuEventDestroy", self.handle)
             self.handle = None
@@ -310,6 +345,12 @@ class DeviceBuffer:
 
     @classmethod
     def from_array(cls, arr, stream: Stream | None = None) -> DeviceBuffer:
+        """A new buffer holding the bytes of ``arr``.
+
+        Args:
+            arr: any numpy array (made contiguous first).
+            stream: copy on this stream (then synchronized), or None for a synchronous copy.
+        """
         arr = np.ascontiguousarray(arr)
         buf = cls(arr.nbytes)
         buf.upload(arr, stream)
@@ -323,6 +364,16 @@ class DeviceBuffer:
                               "argument")
 
     def upload(self, arr, stream: Stream | None = None, offset: int = 0) -> None:
+        """Copy the bytes of ``arr`` into the buffer; returns when they have landed.
+
+        Args:
+            arr: a numpy array (made contiguous first).
+            stream: copy on this stream (then synchronized), or None.
+            offset: the byte offset in the buffer.
+
+        Raises:
+            ConfigError: the copy would pass the end of the buffer.
+        """
         arr = np.ascontiguousarray(arr)
         self._check(arr.nbytes, offset)
         if arr.nbytes:
@@ -338,6 +389,17 @@ class DeviceBuffer:
                 call("cuCtxSynchronize")
 
     def download(self, dtype=np.uint8, shape=None, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """The buffer's bytes as a new numpy array.
+
+        Args:
+            dtype: the element type of the result.
+            shape: the result's shape (its bytes are what is copied), or None: flat.
+            offset: the byte offset to start at.
+            nbytes: bytes to copy (default: to the end, or as ``shape`` needs).
+
+        Raises:
+            ConfigError: the range passes the end of the buffer.
+        """
         dtype = np.dtype(dtype)
         if nbytes is None:
             nbytes = self.nbytes - offset if shape is None else int(np.prod(shape)) * dtype.itemsize
@@ -348,6 +410,13 @@ class DeviceBuffer:
         return out if shape is None else out.reshape(shape)
 
     def fill(self, byte: int, stream: Stream | None = None, offset: int = 0, nbytes: int | None = None) -> None:
+        """Set bytes of the buffer to ``byte`` (``cuMemsetD8``).
+
+        Args:
+            byte: the value (0..255).
+            stream: enqueue on this stream (no host wait), or None: synchronous.
+            offset: the first byte; nbytes: how many (default: to the end).
+        """
         n = self.nbytes - offset if nbytes is None else nbytes
         self._check(n, offset)
         if n:
@@ -356,6 +425,12 @@ class DeviceBuffer:
                 call("cuCtxSynchronize")
 
     def copy_from(self, src: DeviceBuffer, stream: Stream, nbytes: int | None = None) -> None:
+        """Enqueue a device-to-device copy from ``src`` on ``stream``.
+
+        Args:
+            src: the buffer to copy from; stream: where the copy is enqueued;
+            nbytes: bytes to copy (default: the smaller of the two sizes).
+        """
         n = min(self.nbytes, src.nbytes) if nbytes is None else nbytes
         call("cuMemcpyDtoDAsync", self.ptr, src.ptr, n, stream.handle)
 
@@ -365,6 +440,7 @@ class DeviceBuffer:
                 "strides": None}
 
     def free(self) -> None:
+        """Free the allocation; idempotent."""
         if self._ptr is not None:
             call("cuMemFree", self._ptr)
             self._ptr, self.ptr = None, 0
@@ -517,12 +593,25 @@ class Graph:
 
     @staticmethod
     def capture(origin, others=()):
+        """A context manager capturing the launches enqueued inside it; its ``graph``
+        attribute holds the Graph after the block.
+
+        Args:
+            origin: the stream captured (anything ``as_stream`` takes).
+            others: streams forked from ``origin`` at the start and joined into it at the end.
+        """
         return _Capture(as_stream(origin), [as_stream(o) for o in others])
 
     def launch(self, stream) -> None:
+        """Replay the graph on ``stream`` (anything ``as_stream`` takes).
+
+        Args:
+            stream: where the replay is enqueued.
+        """
         call("cuGraphLaunch", self.exec, as_stream(stream).handle)
 
     def close(self) -> None:
+        """Destroy the executable graph and the graph; idempotent."""
         if self.exec is not None:
             call("cuGraphExecDestroy", self.exec)
             call("cuGraphDestroy", self.graph)
@@ -715,3 +804,175 @@ def tensor_map(dtype: str, addr: int, dims, box, *, strides=None, swizzle: int =
               getattr(cu.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{promo}"),
               cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     return np.asarray(tm.opaque, dtype=np.uint64).tobytes()
+
+
+# ---------------------------------------------------------------- nvJitLink (PTX on the CPU)
+# nvJitLink is a library of its own (the nvidia-nvjitlink wheel): it needs no driver and no
+# GPU, so nothing here goes through _cu() or cuInit, and check-ptx runs on CPU-only machines.
+
+#: How to install the nvJitLink that matches the oldest supported driver.
+NVJITLINK_INSTALL = ("pip install nvidia-nvjitlink==13.0.*  "
+                     "(13.0 matches driver 580; a newer nvJitLink accepts PTX that driver rejects)")
+
+
+def _nvjitlink():
+    """``cuda.bindings.nvjitlink`` with libnvJitLink loaded. Not cached: a test that hides
+    the module (``sys.modules[...] = None``) must see it missing."""
+    import importlib
+    try:
+        nvjitlink = importlib.import_module("cuda.bindings.nvjitlink")
+        nvjitlink.version()    # loads libnvJitLink: a missing wheel fails here, not mid-link
+    except (ImportError, RuntimeError, OSError) as e:
+        raise NoDeviceError(f"nvJitLink is not usable here ({type(e).__name__}: {str(e).strip()}); "
+                            f"install it with: {NVJITLINK_INSTALL}") from e
+    return nvjitlink
+
+
+def nvjitlink_version() -> tuple[int, int]:
+    """The (major, minor) version of libnvJitLink.
+
+    Raises:
+        NoDeviceError: cuda-bindings' nvjitlink module or the libnvJitLink wheel is missing;
+            the message says how to install it.
+    """
+    major, minor = _nvjitlink().version()
+    return int(major), int(minor)
+
+
+def _nvjitlink_log(nvjitlink, handle, error: bool) -> str:
+    size = (nvjitlink.get_error_log_size if error else nvjitlink.get_info_log_size)(handle)
+    if not size:
+        return ""
+    buf = bytearray(size)
+    (nvjitlink.get_error_log if error else nvjitlink.get_info_log)(handle, buf)
+    return bytes(buf).rstrip(b"\0").decode(errors="replace")
+
+
+def nvjitlink_refuses(options) -> str | None:
+    """Why nvJitLink refuses ``options`` (e.g. ``["-arch=sm_11"]``), or None when it accepts them.
+
+    Raises:
+        NoDeviceError: nvJitLink is not installed.
+    """
+    nvjitlink = _nvjitlink()
+    opts = [str(o) for o in options]
+    try:
+        handle = nvjitlink.create(len(opts), opts)
+    except nvjitlink.nvJitLinkError as e:
+        return f"nvJitLink refuses {' '.join(opts)}: {e}"
+    nvjitlink.destroy(handle)
+    return None
+
+
+def nvjitlink_link(inputs, options) -> tuple[str, str]:
+    """Compile PTX relocatably and link it into one image with nvJitLink (the image is dropped:
+    this is for the logs, i.e. errors and per-function resources).
+
+    Args:
+        inputs: (name, PTX text) pairs, the ``.extern`` references of one resolved by the
+            others; each name labels its input in the logs.
+        options: nvJitLink options, e.g. ``["-arch=sm_90", "-verbose"]``.
+
+    Returns:
+        (info log, error): ``error`` is "" when it linked, else the error log (or the
+        nvJitLink status when that log is empty). Bad PTX is a result, not an exception.
+
+    Raises:
+        NoDeviceError: nvJitLink is not installed; the message says how to install it.
+    """
+    nvjitlink = _nvjitlink()
+    opts = [str(o) for o in options]
+    try:
+        handle = nvjitlink.create(len(opts), opts)
+    except nvjitlink.nvJitLinkError as e:
+        return "", f"nvJitLink refuses {' '.join(opts)}: {e}"
+    try:
+        error = ""
+        try:
+            for name, text in inputs:
+                data = text.encode()
+                nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as e:
+            error = str(e)
+        # The logs die with the handle: read them before destroy.
+        info = _nvjitlink_log(nvjitlink, handle, error=False)
+        if error:
+            error = _nvjitlink_log(nvjitlink, handle, error=True) or error
+    finally:
+        nvjitlink.destroy(handle)
+    return info, error
+
+
+# ---------------------------------------------------------------- NVRTC (CUDA C++ compiled at run time)
+
+@functools.cache
+def _nvrtc():
+    """``cuda.bindings.nvrtc`` with libnvrtc loaded (once), or a P3SendError saying how to get it."""
+    from ..abi.errors import P3SendError
+    try:
+        from cuda.bindings import nvrtc
+        err, _, _ = nvrtc.nvrtcVersion()   # loads libnvrtc: a missing library fails here
+    except Exception as e:  # noqa: BLE001 -- no cuda-bindings, or cuda.pathfinder finds no libnvrtc
+        first = (str(e).splitlines() or [""])[0]
+        raise P3SendError(f"NVRTC is not available ({type(e).__name__}: {first}); "
+                          "pip install 'nvidia-cuda-nvrtc==13.*'") from e
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise P3SendError(f"NVRTC is not usable: nvrtcVersion returned {err}")
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the libnvrtc that ``nvrtc_compile`` uses; P3SendError without one."""
+    _, major, minor = _nvrtc().nvrtcVersion()
+    return int(major), int(minor)
+
+
+def nvrtc_compile(source: str, arch: str, name: str = "source.cu", defines: dict | None = None, *,
+                  output: str = "cubin", options=()) -> tuple[bytes, str]:
+    """Compile CUDA C++ ``source`` (self-contained: no include paths) with NVRTC.
+
+    Args:
+        source: the CUDA C++ text; ``name``: its file name in messages (e.g. "baselines.cu").
+        arch: the target, e.g. "sm_90" (a cubin for that GPU) or "compute_90" (PTX only).
+        defines: macro name -> value, passed as ``-DNAME=VALUE``.
+        output: "cubin" or "ptx".
+        options: further NVRTC options (strings), after ``--std=c++17``.
+
+    Returns:
+        (the cubin or the PTX text as bytes, NVRTC's log: warnings; "" when silent).
+
+    Raises:
+        P3SendError: NVRTC is not installed; ConfigError: an unknown ``output``;
+        CudaError: the compile failed (call ``nvrtcCompileProgram``, the log attached).
+    """
+    if output not in ("cubin", "ptx"):
+        raise ConfigError([f"output: expected 'cubin' or 'ptx', got {output!r}"], "nvrtc_compile")
+    nv = _nvrtc()
+    ok = nv.nvrtcResult.NVRTC_SUCCESS
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", *(f"-D{k}={v}" for k, v in (defines or {}).items()),
+            *options]
+
+    def check(call: str, res, log: str = ""):
+        err = res[0]
+        if err != ok:
+            r = nv.nvrtcGetErrorString(err)
+            what = r[1].decode() if r[0] == ok and r[1] else str(err)
+            raise CudaError(call, what, int(err), f"NVRTC could not compile {name} for {arch}", log)
+        return res[1:]
+
+    prog, = check("nvrtcCreateProgram", nv.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
+    try:
+        compiled = nv.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        size, = check("nvrtcGetProgramLogSize", nv.nvrtcGetProgramLogSize(prog))
+        log = b" " * size
+        check("nvrtcGetProgramLog", nv.nvrtcGetProgramLog(prog, log))
+        log = log.rstrip(b"\0 ").decode(errors="replace")
+        check("nvrtcCompileProgram", compiled, f"[{name}]\n{log}")
+        kind = "CUBIN" if output == "cubin" else "PTX"
+        size, = check(f"nvrtcGet{kind}Size", getattr(nv, f"nvrtcGet{kind}Size")(prog))
+        image = b" " * size
+        check(f"nvrtcGet{kind}", getattr(nv, f"nvrtcGet{kind}")(prog, image))
+    finally:
+        nv.nvrtcDestroyProgram(prog)
+    return (image if output == "cubin" else image.rstrip(b"\0")), log

@@ -38,6 +38,7 @@ class Param:
     type: str
     name: str
     meaning: str = ""
+    line: int = field(default=0, compare=False)    # of its PARAMS row (0: from a declaration)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Entry:
     kind: str                       # "entry" or "func"
     params: list[Param] = field(default_factory=list)
     sections: dict[str, str] = field(default_factory=dict)
+    line: int = field(default=0, compare=False)    # of its '// ENTRY name' line
 
 
 _HDR_START = re.compile(r"^//\s*(ENTRY|FUNC)\s+(\w+)\s*$")
@@ -58,11 +60,11 @@ def parse_header(text: str) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
     cur: Entry | None = None
     section = None
-    for line in text.splitlines():
+    for ln, line in enumerate(text.splitlines(), 1):
         s = line.rstrip()
         m = _HDR_START.match(s)
         if m:
-            cur = Entry(m.group(2), "entry" if m.group(1) == "ENTRY" else "func")
+            cur = Entry(m.group(2), "entry" if m.group(1) == "ENTRY" else "func", line=ln)
             out[cur.name] = cur
             section = None
             continue
@@ -79,7 +81,7 @@ def parse_header(text: str) -> dict[str, Entry]:
             r = _ROW.match(s)
             if r:
                 cur.params.append(Param(int(r.group(1)), int(r.group(2)), r.group(3), r.group(4),
-                                        r.group(5).strip()))
+                                        r.group(5).strip(), line=ln))
                 continue
         if section:
             cur.sections[section] = (cur.sections[section] + " " + s[2:].strip()).strip()
@@ -116,9 +118,38 @@ def parse_decls(text: str) -> dict[str, list[Param]]:
 
 
 # Destination: a register or a vector "{%a, %b}"; state space may be ".param::entry"/"::func";
-# offsets may be decimal or hex. A load this does not match is not checked (ptxcheck.lint flags it).
+# offsets may be decimal or hex. A load this does not match is not checked (ptxlint.lint flags it).
 _LDPARAM = re.compile(r"\bld\.param(?:::\w+)?((?:\.v[248])?)\.(\w+)\s+(?:\{[^}]*\}|[^,{]+),"
                       r"\s*\[\s*(\w+)\s*(?:\+\s*(0[xX][0-9a-fA-F]+|\d+))?\s*\]")
+
+
+@dataclass
+class Decl:
+    name: str
+    kind: str       # "entry" or "func"
+    extern: bool    # an ``.extern .func`` reference, defined in another file
+    line: int
+
+
+def _blank_comments(text: str) -> str:
+    """``text`` with comments replaced by spaces, newlines kept, so offsets map to lines."""
+    return re.sub(r"/\*.*?\*/|//[^\n]*", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+
+
+def declarations(text: str) -> list[Decl]:
+    """Every ``.entry``/``.func`` declaration, in file order (one per name), with its line."""
+    code, out, seen = _blank_comments(text), [], set()
+    for m in _DECL.finditer(code):
+        if m.group(4) not in seen:
+            seen.add(m.group(4))
+            out.append(Decl(m.group(4), m.group(2), ".extern" in m.group(1),
+                            code.count("\n", 0, m.start()) + 1))
+    return out
+
+
+def scalar_size(ptx_type: str) -> int | None:
+    """Bytes of one ``ptx_type`` element (``u64``, ``b32``, ``f16``...), or None for another name."""
+    return _SCALAR.get(ptx_type)
 
 
 def parse_param_loads(text: str) -> list[tuple[int, str, int, int]]:
@@ -152,6 +183,25 @@ _MODULE_DIRECTIVE = re.compile(r"^\s*\.(version|target|address_size)\b[^\n]*$", 
 def prototypes(text: str) -> list[str]:
     """Names of ``.visible .func`` prototypes (declared with ``;``, defined elsewhere)."""
     return _PROTO.findall(_strip_comments(text))
+
+
+_SEND_PROTO = re.compile(r"\.(visible|extern)(\s+\.func\s+(?:\([^)]*\)\s*)?p3_send_\w*\s*\([^)]*\)\s*;)")
+
+
+def set_prototype_linkage(text: str, linkage: str) -> str:
+    """``text`` with its prototypes of p3send's device functions (``p3_send_*``, defined in
+    p3_send_rows.ptx) declared ``.visible`` (``linkage="visible"``: the shipped form, one
+    module with p3_send_rows.ptx appended, see ``module_text``) or ``.extern``
+    (``"extern"``: nvcc -rdc's own output, for a linker that resolves them: cuLink,
+    nvJitLink). Definitions and other functions are left alone. Raises ConfigError for
+    another ``linkage`` or a text that declares no such prototype."""
+    if linkage not in ("visible", "extern"):
+        raise ConfigError(f"linkage: expected 'visible' or 'extern', got {linkage!r}", "PTX linkage")
+    out, n = _SEND_PROTO.subn(lambda m: f".{linkage}{m.group(2)}", text)
+    if not n:
+        raise ConfigError("text: expected a PTX module declaring p3_send_* prototypes (.visible or .extern "
+                          ".func ...;), got none", "PTX linkage")
+    return out
 
 
 def module_text(text: str, siblings) -> str:

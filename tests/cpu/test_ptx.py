@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
-from p3send.abi.errors import P3SendError
+from p3send.abi.errors import ConfigError, P3SendError
 from p3send.cli import app as cli
-from p3send.cli import ptxcheck
+from p3send.cuda import ptxlint
+from p3send.cuda.loader import ptx_dir
 
-PTX_DIR = ptxcheck.ptx_dir()
+PTX_DIR = ptx_dir()
 SHIPPED = sorted(PTX_DIR.glob("*.ptx"))
-ARCHS = list(ptxcheck.DEFAULT_ARCHS)
+ARCHS = list(ptxlint.DEFAULT_ARCHS)
 ECHO = "p3_abi_echo.ptx"
 needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
 
@@ -43,22 +44,22 @@ def test_shipped_dir_has_the_echo_kernel():
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_lint_shipped(path):
     text = path.read_text()
-    assert ptxcheck.file_problems(text, path.name) + ptxcheck.lint(text, path.name) == []
+    assert ptxlint.file_problems(text, path.name) + ptxlint.lint(text, path.name) == []
 
 
-CASES = [(p, a) for p in SHIPPED for a in ptxcheck.targets(p.read_text(), ARCHS)]
+CASES = [(p, a) for p in SHIPPED for a in ptxlint.targets(p.read_text(), ARCHS)]
 CASE_IDS = [f"{p.name}-{a}" for p, a in CASES]
 
 
 @pytest.mark.parametrize(("path", "arch"), CASES, ids=CASE_IDS)
 def test_assemble_shipped(path, arch):
     text = path.read_text()
-    whole, opts = ptxcheck.assembly_unit(path, text)
+    whole, opts = ptxlint.assembly_unit(path, text)
     inlined = whole is not text
-    r = ptxcheck.assemble(whole, path.name, arch, ptxcheck._providers(path, text)[0], opts,
+    r = ptxlint.assemble(whole, path.name, arch, ptxlint.providers(path, text)[0], opts,
                           judge_resources=not inlined)
     assert r.problems() == []
-    entries = [d.name for d in ptxcheck.declarations(text) if d.kind == "entry" and not d.extern]
+    entries = [d.name for d in ptxlint.declarations(text) if d.kind == "entry" and not d.extern]
     got = {f.name: f for f in r.functions}
     for e in entries:
         assert got[e].regs > 0
@@ -69,8 +70,8 @@ def test_assemble_shipped(path, arch):
 @needs_ptxas
 @pytest.mark.parametrize(("path", "arch"), CASES, ids=CASE_IDS)
 def test_ptxas_shipped(path, arch):
-    whole, _ = ptxcheck.assembly_unit(path, path.read_text())
-    assert ptxcheck.assemble_ptxas(whole, path.name, arch).problems() == []
+    whole, _ = ptxlint.assembly_unit(path, path.read_text())
+    assert ptxlint.assemble_ptxas(whole, path.name, arch).problems() == []
 
 
 def test_cli_check_ptx_passes(capsys):
@@ -88,66 +89,66 @@ def test_wrong_header_offset(echo):
     bad = mutate(echo, "//   184     8  u64               out", "//   180     8  u64               out")
     ln = line_of(bad, "//   180     8  u64")
     assert f"{ECHO}:{ln}: p3_abi_echo: out is documented at offset 180 but declared at offset 184" \
-        in ptxcheck.lint(bad, ECHO)
+        in ptxlint.lint(bad, ECHO)
 
 
 def test_misaligned_cfg_load(echo):
     bad = mutate(echo, "[cfg+88];", "[cfg+92];")
     ln = line_of(bad, "[cfg+92]")
-    assert ptxcheck.lint(bad, ECHO) == [
+    assert ptxlint.lint(bad, ECHO) == [
         f"{ECHO}:{ln}: ld.param.u64 [cfg+92] is inside n_ranks (offset 88, 8 bytes)"]
 
 
 def test_wrong_width_cfg_load(echo):
     bad = mutate(echo, "ld.param.u64        %rd3, [cfg+88];", "ld.param.u32        %r1, [cfg+88];")
     ln = line_of(bad, "[cfg+88]")
-    assert ptxcheck.lint(bad, ECHO) == [
+    assert ptxlint.lint(bad, ECHO) == [
         f"{ECHO}:{ln}: ld.param.u32 [cfg+88] is 4 bytes wide but n_ranks (offset 88) is 8 bytes"]
 
 
 def test_send_mbx_may_be_loaded_as_32_bits(echo):
     ok = mutate(echo, "ld.param.u64        %rd3, [cfg+136];", "ld.param.u32        %r1, [cfg+136];")
-    assert ptxcheck.lint(ok, ECHO) == []
+    assert ptxlint.lint(ok, ECHO) == []
 
 
 def test_plain_param_load_checked(echo):
     bad = mutate(echo, "[tag];", "[tag+4];")
-    assert any("[tag+4] reaches outside tag" in p for p in ptxcheck.lint(bad, ECHO))
+    assert any("[tag+4] reaches outside tag" in p for p in ptxlint.lint(bad, ECHO))
 
 
 def test_missing_header_section(echo):
     bad = mutate(echo, "// TIMEOUT none: the kernel never waits\n", "")
-    assert any("lacks section(s) TIMEOUT" in p for p in ptxcheck.lint(bad, ECHO))
+    assert any("lacks section(s) TIMEOUT" in p for p in ptxlint.lint(bad, ECHO))
 
 
 def test_undocumented_parameter(echo):
     bad = mutate(echo, "    .param .u64 tag\n", "    .param .u64 tag,\n    .param .u64 extra\n")
-    msgs = ptxcheck.lint(bad, ECHO)
+    msgs = ptxlint.lint(bad, ECHO)
     assert any("parameter extra (offset 200, 8 bytes) is declared but not documented" in p for p in msgs)
 
 
 def test_undocumented_entry(echo):
     bad = mutate(echo, "// ENTRY p3_abi_echo\n", "// ENTRY p3_other\n")
-    msgs = ptxcheck.lint(bad, ECHO)
+    msgs = ptxlint.lint(bad, ECHO)
     assert any(".entry p3_abi_echo has no '// ENTRY p3_abi_echo' header block" in p for p in msgs)
     assert any("header ENTRY p3_other documents no .entry p3_other" in p for p in msgs)
 
 
 def test_unreadable_param_load_is_flagged(echo):
     bad = mutate(echo, "ld.param.u64        %rd3, [tag];", "ld.param.u64        %rd3, [%rd1];")
-    assert any("cannot check" in p for p in ptxcheck.lint(bad, ECHO))
+    assert any("cannot check" in p for p in ptxlint.lint(bad, ECHO))
 
 
 # --------------------------------------------------------------------------- negative: module rules
 
 def test_version_too_new(echo):
     bad = mutate(echo, ".version 8.0", ".version 9.1")
-    assert any(".version 9.1 is newer than 9.0" in p for p in ptxcheck.file_problems(bad, ECHO))
+    assert any(".version 9.1 is newer than 9.0" in p for p in ptxlint.file_problems(bad, ECHO))
 
 
 def test_missing_version_and_target(echo):
     bad = mutate(mutate(echo, ".version 8.0\n", ""), ".target sm_90\n", "")
-    msgs = ptxcheck.file_problems(bad, ECHO)
+    msgs = ptxlint.file_problems(bad, ECHO)
     assert f"{ECHO}: no .version directive" in msgs and f"{ECHO}: no .target directive" in msgs
 
 
@@ -156,7 +157,7 @@ def test_missing_version_and_target(echo):
 def test_syntax_error_names_the_line(echo):
     bad = mutate(echo, "st.global.u64       [%rd1+96], %rd3;", "st.glob.u64         [%rd1+96], %rd3;")
     ln = line_of(bad, "st.glob.u64")
-    r = ptxcheck.assemble(bad, ECHO, "sm_90")
+    r = ptxlint.assemble(bad, ECHO, "sm_90")
     assert not r.ok and f"line {ln}; error" in r.error and "Unknown modifier '.glob'" in r.error
 
 
@@ -164,7 +165,7 @@ def test_syntax_error_names_the_line(echo):
 def test_syntax_error_names_the_line_ptxas(echo):
     bad = mutate(echo, "st.global.u64       [%rd1+96], %rd3;", "st.glob.u64         [%rd1+96], %rd3;")
     ln = line_of(bad, "st.glob.u64")
-    r = ptxcheck.assemble_ptxas(bad, ECHO, "sm_90")
+    r = ptxlint.assemble_ptxas(bad, ECHO, "sm_90")
     assert not r.ok and f"{ECHO}, line {ln}; error" in r.problems()[0]
 
 
@@ -179,9 +180,9 @@ def test_local_array_rejected(echo):
                  "    add.u64             %rd2, %rd2, %rd0;\n"
                  "    st.local.u64        [%rd2], %rd3;\n"
                  "    ld.local.u64        %rd3, [scratch+8];\n")
-    assert ptxcheck.lint(bad, ECHO) == []
+    assert ptxlint.lint(bad, ECHO) == []
     for arch in ARCHS:
-        r = ptxcheck.assemble(bad, ECHO, arch)
+        r = ptxlint.assemble(bad, ECHO, arch)
         assert r.ok, r.error
         msgs = r.problems()
         assert len(msgs) == 1 and "entry p3_abi_echo uses a stack frame or local memory" in msgs[0]
@@ -194,9 +195,9 @@ def test_spill_in_log_is_a_problem():
            "ptxas info    : Function properties for k\n"
            "    8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
            "ptxas info    : Used 255 registers, used 0 barriers\n")
-    funcs = ptxcheck.parse_resources(log)
+    funcs = ptxlint.parse_resources(log)
     funcs["k"].kind = "entry"
-    r = ptxcheck.Report("k.ptx", "sm_90", "ptxas", [funcs["k"]], log)
+    r = ptxlint.Report("k.ptx", "sm_90", "ptxas", [funcs["k"]], log)
     msgs = r.problems()
     assert any("spills registers (8 bytes stored, 8 loaded)" in m and "8 bytes spill stores" in m for m in msgs)
 
@@ -288,31 +289,49 @@ def test_func_library_and_extern_caller(tmp_path, capsys):
 
 def test_version_too_new_is_not_given_to_nvjitlink(echo):
     # nvJitLink 13.0.88 would fail fatally and then stop reporting undefined externs.
-    r = ptxcheck.assemble(mutate(echo, ".version 8.0", ".version 9.1"), ECHO, "sm_90")
+    r = ptxlint.assemble(mutate(echo, ".version 8.0", ".version 9.1"), ECHO, "sm_90")
     assert r.error.startswith("not assembled: .version 9.1 is newer than 9.0")
-    r = ptxcheck.assemble(CALLER, "p3_test_caller.ptx", "sm_90")
+    r = ptxlint.assemble(CALLER, "p3_test_caller.ptx", "sm_90")
     assert "Undefined reference to 'p3_test_add1'" in r.error
 
 
 def test_missing_nvjitlink_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings.nvjitlink", None)   # import now fails
     with pytest.raises(P3SendError, match=r"pip install nvidia-nvjitlink==13\.0\.\*"):
-        ptxcheck.assemble(".version 8.0\n", "x.ptx", "sm_90")
+        ptxlint.assemble(".version 8.0\n", "x.ptx", "sm_90")
 
 
 # --------------------------------------------------------------------------- (f) constants
 
 def test_header_constants_tie_the_magic_numbers():
     text = (PTX_DIR / "p3_scatter_send.ptx").read_text()
-    consts = ptxcheck.header_constants(text.splitlines())
+    consts = ptxlint.header_constants(text.splitlines())
     assert consts["CHUNK_VECTORS"] == 192 and consts["RANGE_AT"] == 136
     from p3send.ops import send
     assert {k: v for k, v in consts.items() if k.startswith("FLAG_")} == {
         n: getattr(send, n) for n in dir(send) if n.startswith("FLAG_")}
-    assert ptxcheck.constant_problems(text.splitlines()) == []
+    assert ptxlint.constant_problems(text.splitlines()) == []
     # a drifted immediate and an unnamed constant are both reported
     bad = mutate(text, "div.u32             %cpr, %cpr, 192;", "div.u32             %cpr, %cpr, 190;")
-    got = ptxcheck.constant_problems(bad.splitlines())
+    got = ptxlint.constant_problems(bad.splitlines())
     assert len(got) == 1 and "CHUNK_VECTORS = 192" in got[0][1], got
     unused = text.replace("RANGE_AT=136", "RANGE_AT=136 SPARE=7", 1)
-    assert any("SPARE is used by no instruction" in m for _, m in ptxcheck.constant_problems(unused.splitlines()))
+    assert any("SPARE is used by no instruction" in m for _, m in ptxlint.constant_problems(unused.splitlines()))
+
+
+def test_the_linter_reaches_nvjitlink_only_through_the_driver():
+    # driver.py is the one module importing cuda.bindings (nvjitlink included)
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(ptxlint))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in names if m.startswith("cuda")}, names
+    assert "cuda.bindings" not in inspect.getsource(ptxlint) and "importlib" not in names
+
+
+def test_check_archs():
+    assert ptxlint.check_archs(["sm_90", "sm_100", "sm_90"]) == ["sm_90", "sm_100"]
+    for bad in ("sm90", "compute_90", "sm_90 ", "-arch=sm_90", 90):
+        with pytest.raises(ConfigError, match=r"expected sm_<number> with an optional 'a' or 'f' suffix"):
+            ptxlint.check_archs([bad])

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from p3send.cli import trace
+from p3send import tracing
 
 B = 1_700_000_000_000  # an arbitrary %globaltimer origin, ns
 
@@ -50,14 +50,14 @@ def _saved(tmp_path, timeline=TIMELINE):
 
 
 def test_events_match_hand_computed_microseconds():
-    got = _complete(trace.to_chrome_trace(TIMELINE))
+    got = _complete(tracing.to_chrome_trace(TIMELINE))
     assert [g[:3] for g in got] == [e[:3] for e in EXPECTED]
     for g, e in zip(got, EXPECTED):
         assert g[3:] == pytest.approx(e[3:], abs=1e-9), g
 
 
 def test_event_fields_follow_the_trace_event_format():
-    tr = trace.to_chrome_trace(TIMELINE)
+    tr = tracing.to_chrome_trace(TIMELINE)
     assert tr["otherData"]["t0_ns"] == B
     for e in tr["traceEvents"]:
         assert e["ph"] in ("X", "M")
@@ -71,7 +71,7 @@ def test_event_fields_follow_the_trace_event_format():
 
 
 def test_metadata_names_ranks_and_active_lanes_only():
-    tr = trace.to_chrome_trace(TIMELINE)
+    tr = tracing.to_chrome_trace(TIMELINE)
     procs = {e["pid"]: e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
     assert procs == {0: "rank 0", 1: "rank 1"}
@@ -80,20 +80,20 @@ def test_metadata_names_ranks_and_active_lanes_only():
 
 
 def test_idle_ctas_produce_no_events():
-    tr = trace.to_chrome_trace(TIMELINE)
+    tr = tracing.to_chrome_trace(TIMELINE)
     lanes = {(e["pid"], e["tid"]) for e in tr["traceEvents"] if "tid" in e}
     assert (0, 2) not in lanes   # rank 0 send CTA 2: zeros
     assert (1, 4) not in lanes   # rank 1 recv CTA 1: zeros
     idle = {0: {"send": [[0, 0]], "recv": [[0, 0, 0, 0]]}}
-    assert trace.to_chrome_trace(idle)["traceEvents"] == []
-    assert "no stamps" in trace.summarize(idle)
+    assert tracing.to_chrome_trace(idle)["traceEvents"] == []
+    assert "no stamps" in tracing.summarize(idle)
 
 
 def test_json_round_trip_and_string_rank_keys():
-    tr = trace.to_chrome_trace(TIMELINE)
+    tr = tracing.to_chrome_trace(TIMELINE)
     assert json.loads(json.dumps(tr)) == tr
     as_saved = json.loads(json.dumps({str(r): e for r, e in TIMELINE.items()}))
-    assert trace.to_chrome_trace(as_saved) == tr
+    assert tracing.to_chrome_trace(as_saved) == tr
 
 
 @pytest.mark.parametrize("bad, fragment", [
@@ -105,11 +105,11 @@ def test_json_round_trip_and_string_rank_keys():
 ])
 def test_malformed_timelines_are_refused(bad, fragment):
     with pytest.raises(ValueError, match=fragment):
-        trace.to_chrome_trace(bad)
+        tracing.to_chrome_trace(bad)
 
 
 def test_summary_spans_and_overlap():
-    text = trace.summarize(TIMELINE)
+    text = tracing.summarize(TIMELINE)
     rank0 = next(line for line in text.splitlines() if "rank 0:" in line)
     rank1 = next(line for line in text.splitlines() if "rank 1:" in line)
     assert "send 0.000-2.000 (2.000 us, 2/3 CTAs)" in rank0
@@ -126,7 +126,7 @@ def test_cli_from_file_writes_the_trace(cli, tmp_path):
     rc, out = cli("trace", "--from", _saved(tmp_path), "--out", prefix)
     assert rc == 0, out
     written = json.loads((tmp_path / "round.json").read_text())
-    assert written == trace.to_chrome_trace(TIMELINE)
+    assert written == tracing.to_chrome_trace(TIMELINE)
     assert "rank 1:" in out and "recv overlapped sends 0.100 us" in out
     png = tmp_path / "round.png"
     if importlib.util.find_spec("matplotlib") is not None:
@@ -179,3 +179,23 @@ def test_cli_without_gpu_says_so_and_exits_0(cli, tmp_path, monkeypatch):
     assert rc == 0, out
     assert "no usable GPU here (no CUDA driver (test))" in out
     assert not (tmp_path / "t.json").exists()
+
+
+def test_tracing_is_pure_conversion():
+    # stamps in, trace out: abi only (no CUDA, no commands), matplotlib only inside plot()
+    from tests.cpu.test_layers import PKG, p3send_imports
+    assert p3send_imports(PKG / "tracing.py") <= {"abi"}
+    assert "from cuda" not in (PKG / "tracing.py").read_text()
+
+
+def test_read_timeline_refuses_what_is_not_a_timeline(tmp_path):
+    from p3send.abi.errors import ConfigError, InputFileError
+    with pytest.raises(InputFileError, match="is a folder"):
+        tracing.read_timeline(tmp_path)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InputFileError, match="nested more than 64 levels"):
+        tracing.read_timeline(deep)
+    with pytest.raises(ConfigError, match="rank 0 send CTA 0"):
+        tracing.read_timeline(_saved(tmp_path, {0: {"send": [[1]], "recv": []}}))
+    assert tracing.read_timeline(_saved(tmp_path)) == {str(r): e for r, e in TIMELINE.items()}

@@ -37,7 +37,7 @@ def test_every_family(dev, family):
 def test_benchmark_geometries(dev, grid):
     """The geometries the benchmark times, with the launcher's grid and with a few CTAs
     (each then takes a long contiguous range of tiles), both signal scopes."""
-    from p3send.cli.bench import EPILOGUE_GEOMETRIES
+    from p3send.bench.epilogue import EPILOGUE_GEOMETRIES
     for i, g in enumerate(EPILOGUE_GEOMETRIES):
         case = epilogue_case("random" if i % 2 else "many_experts", fresh_seed(f"bench geometry {i}"))
         assert_send_exact(run_send(dev, case, row_cache=bool(i % 3 == 0), same_gpu=bool(i % 2),

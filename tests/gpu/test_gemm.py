@@ -1,8 +1,8 @@
-"""p3_gemm_send (issue 18): the grouped bf16 GEMM with the send in its epilogue.
+"""p3_gemm_send: the grouped bf16 GEMM with the send in its epilogue.
 
 - C of the gated GEMM (send off) against a float64 reference of the same bf16 inputs,
   within |C - R| <= ulp_bf16(|R|) + K * 2**-23 * (|X| @ |W|^T) (the final rounding plus the
-  fp32 accumulation bound; derivation in tools/gemm_bench.py), rows outside every expert
+  fp32 accumulation bound; derivation in experiments/gemm_bench.py), rows outside every expert
   untouched (sentinel);
 - the fused launch (send on) through the common harness ``run_send``: receive buffers
   (sentinel + guards), counts, row cache and diagnostics byte-identical to the oracle of

@@ -1,14 +1,14 @@
-"""Check the bench's fair peers (p3send/cli/peers.py) against the oracle, then time them
-next to cuMemcpyDtoDAsync and p3_scatter_send, in one run on the GPU it finds.
+"""Check the bench's baselines (p3send/bench/baselines.py) against the oracle, then time
+them next to cuMemcpyDtoDAsync and p3_scatter_send, in one run on the GPU it finds.
 
 Checks: every case family of the GPU tests (tests/gpu/conftest.run_send: sentinel-filled
 receive buffers inside guards, counts with guard words, diagnostics, self-reset state),
 and the bench's two shapes at full size (the prefill send and one rank's decode-size send,
-8 receive buffers on this GPU, bench.prefill_routing): receive buffers with guards
+8 receive buffers on this GPU, cases.prefill_routing): receive buffers with guards
 compared byte for byte with the oracle's, counts compared after a first launch and again
 after a second one (counts re-armed in between: the state must have reset itself).
 
-    PYTHONPATH=. python3 -m tests.gpu.peers_check [--seed N] [--iters 100] [--json out.json]
+    PYTHONPATH=. python3 -m tests.gpu.baselines_check [--seed N] [--iters 100] [--json out.json]
 """
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ import numpy as np
 
 from p3send.abi.config import rank_config
 from p3send.abi.layout import SENTINEL
-from p3send.cli import peers
-from p3send.cli.bench import Timer, prefill_routing, random_bytes
+from p3send.bench import baselines
+from p3send.bench.data import random_bytes
+from p3send.bench.timing import Timer
 from p3send.cuda import driver
 from p3send.ops.send import ScatterSend
 from p3send.oracle import reference as ref
-from p3send.oracle.cases import FAMILIES, send_case
+from p3send.oracle.cases import FAMILIES, prefill_routing, send_case
 
 GUARD = 4096          # bytes of sentinel before and after every receive buffer
 
@@ -133,25 +134,25 @@ def check_setup(setup: Setup, launch, want, want_counts, res, torch, stream, sen
 
 
 class _AsSender:
-    """A peer in the sender protocol of tests/gpu/conftest.run_send."""
+    """A baseline in the sender protocol of tests/gpu/conftest.run_send."""
 
-    def __init__(self, peer):
-        self.peer, self.state, self.grid = peer, peer.state, 1
+    def __init__(self, baseline):
+        self.baseline, self.state, self.grid = baseline, baseline.state, 1
 
     def __call__(self, cfg, c, case, *, stream=None, count_ptrs=None, row_cache=False, p3_control=0):
-        self.peer(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride, count_ptrs=count_ptrs,
+        self.baseline(cfg, c, case.expert_offsets.astype(np.int32), case.row_stride, count_ptrs=count_ptrs,
                   row_cache=row_cache, p3_control=p3_control, stream=stream)
 
     def diagnostics(self):
-        return self.peer.diagnostics()
+        return self.baseline.diagnostics()
 
     def close(self):
-        self.peer.close()
+        self.baseline.close()
 
 
 def check_families(dev, seed: int, makers: dict) -> dict:
-    """Every case family (seeded from ``seed``) through each peer maker(n_experts);
-    {peer: [problems]}."""
+    """Every case family (seeded from ``seed``) through each baseline maker(n_experts);
+    {baseline: [problems]}."""
     from .conftest import assert_send_exact, run_send
     out = {}
     for name, make in makers.items():
@@ -165,7 +166,7 @@ def check_families(dev, seed: int, makers: dict) -> dict:
     return out
 
 
-def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmup: int = 10,
+def check_baselines(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmup: int = 10,
                 passes: int = 2, log=print) -> dict:
     """The whole check and timing; returns {"families": ..., shape name: {"check": {name:
     [problems]}, "timing": [pass dicts]}}. A GPU test asserts every problem list empty."""
@@ -173,12 +174,12 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
     s = driver.Stream()
     timer = Timer(s)
     out = {"seed": seed}
-    cuda_v = [peers.CUDA_VARIANTS[0], (256, 1), (256, 4)]     # the default; 4 chunks x 1 and 1 chunk x 4 vectors
-    tri_v = [peers.TRITON_VARIANTS[0], (256, 1)]
-    makers = {f"CUDA C++ {v}": (lambda n, v=v: peers.CudaScatter(n, device=dev, threads=v[0], vpt=v[1]))
+    cuda_v = [baselines.CUDA_VARIANTS[0], (256, 1), (256, 4)]     # the default; 4 chunks x 1 and 1 chunk x 4 vectors
+    tri_v = [baselines.TRITON_VARIANTS[0], (256, 1)]
+    makers = {f"CUDA C++ {v}": (lambda n, v=v: baselines.CudaScatter(n, device=dev, threads=v[0], vpt=v[1]))
               for v in cuda_v}
-    if peers.triton is not None:
-        makers.update({f"Triton {v}": (lambda n, v=v: peers.TritonScatter(n, device=dev, threads=v[0], vpt=v[1]))
+    if baselines.triton_version() is not None:
+        makers.update({f"Triton {v}": (lambda n, v=v: baselines.TritonScatter(n, device=dev, threads=v[0], vpt=v[1]))
                        for v in tri_v})
     t0 = time.time()
     out["families"] = check_families(dev, seed, makers)
@@ -199,7 +200,7 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
             snd = make(sh.experts)
             senders[name] = (snd, [snd.prepare(**a) for a in st.sends])
         # diagnostic (not the send's job): the CUDA C++ CTA shape with every row's destination
-        # precomputed on the host from the oracle: no resolve, no signal (the external peers' shape)
+        # precomputed on the host from the oracle: no resolve, no signal (the scatter baselines' shape)
         row_dst = []
         for cfg in st.cfgs:
             bufs = np.array(list(cfg.recv_buf_ptrs), np.uint64)
@@ -208,7 +209,7 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
             row_dst.append(driver.DeviceBuffer.from_array(d.astype(np.uint64)))
         pre = {}
         for t, v in ((256, 1), (256, 2), (256, 4)):
-            rows_copy = peers.RowsCopy(device=dev, threads=t, vpt=v)
+            rows_copy = baselines.RowsCopy(device=dev, threads=t, vpt=v)
             pre[f"diag: CUDA C++ rows copy, destinations precomputed ({t}, {v})"] = [
                 rows_copy.prepare(row_dst[i], st.cs[i], st.rows, st.msg) for i in range(sh.sets)]
         check = {}
@@ -227,21 +228,21 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
             for name, (snd, blocks) in senders.items():
                 if name.startswith("p3_scatter_send"):
                     rows[name] = timer.run(lambda i: snd.launch(s, blocks[i % sh.sets]), iters, warmup)
-            found, skipped = peers.time_peers(timer, st.sends, (st.dsts, st.cs, st.nbytes), n_experts=sh.experts,
-                                              dev=dev, iters=iters, warmup=warmup)
+            found, skipped = baselines.time_baselines(timer, st.sends, (st.dsts, st.cs, st.nbytes),
+                                                      n_experts=sh.experts, dev=dev, iters=iters, warmup=warmup)
             rows.update(found)
-            # diagnostics: each scatter peer's fastest variant without the signal, and the
+            # diagnostics: each scatter baseline's fastest variant without the signal, and the
             # precomputed-destination copy: what the resolve and the signal cost
-            for label, cls in (("Triton scatter peer", getattr(peers, "TritonScatter", None)),
-                               ("CUDA C++ scatter peer", peers.CudaScatter)):
+            for cls in (baselines.TritonScatter, baselines.CudaScatter):
+                label = cls.label
                 if label not in found:
                     continue
                 v = found[label]["variant"]
-                peer = cls(sh.experts, device=dev, threads=v[0], vpt=v[1])
-                ls = [peer.prepare(**dict(a, count_ptrs=None)) for a in st.sends]
-                rows[f"diag: {label} {v}, no signal"] = timer.run(lambda i: peer.launch(s, ls[i % sh.sets]), iters,
+                kern = cls(sh.experts, device=dev, threads=v[0], vpt=v[1])
+                ls = [kern.prepare(**dict(a, count_ptrs=None)) for a in st.sends]
+                rows[f"diag: {label} {v}, no signal"] = timer.run(lambda i: kern.launch(s, ls[i % sh.sets]), iters,
                                                                   warmup)
-                peer.close()
+                kern.close()
             for name, launches in pre.items():
                 rows[name] = timer.run(lambda i: launches[i % sh.sets](s), iters, warmup)
             timing.append({"rows": rows, "skipped": skipped})
@@ -257,7 +258,7 @@ def check_peers(dev, seed: int, torch=None, shapes=None, iters: int = 100, warmu
 
 
 def table(out: dict) -> str:
-    L = [f"peers check, seed {out['seed']}"]
+    L = [f"baselines check, seed {out['seed']}"]
     for name, probs in out["families"].items():
         L.append(f"  families ({len(FAMILIES)}) {name:<26} {'byte-exact' if not probs else f'{len(probs)} FAILED'}")
         L += [f"    {p}" for p in probs]
@@ -305,8 +306,8 @@ def main() -> int:
         torch = None
     seed = a.seed if a.seed is not None else secrets.randbits(31)
     print(f"[seed] {seed}  device {dev.name}, torch {'yes' if torch else 'no'}, "
-          f"triton {peers.triton.__version__ if peers.triton else 'no'}", flush=True)
-    out = check_peers(dev, seed, torch, iters=a.iters, warmup=a.warmup)
+          f"triton {baselines.triton_version() or 'no'}", flush=True)
+    out = check_baselines(dev, seed, torch, iters=a.iters, warmup=a.warmup)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -1,14 +1,16 @@
-"""Maintainer experiment: how fast can the SMs copy on this GPU, next to the driver's
-device-to-device copy? Two minimal copy kernels (written here, not shipped): a
-grid-stride 16-byte load/store copy, and a bulk-copy (TMA, cp.async.bulk) copy through
-shared memory. The scatter-send can only be as fast as the SM-issued copy."""
+"""Maintainer experiment, not maintained (experiments/README.md): how fast can the SMs
+copy on this GPU, next to the driver's device-to-device copy? Two minimal copy kernels
+(written here, not shipped): a grid-stride 16-byte load/store copy, and a bulk-copy (TMA,
+cp.async.bulk) copy through shared memory. The scatter-send can only be as fast as the
+SM-issued copy."""
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
 
-from p3send.cli.bench import Timer, random_bytes
+from p3send.bench.data import random_bytes
+from p3send.bench.timing import Timer
 from p3send.cuda import driver, loader
 
 COPY_PTX = r"""
@@ -331,7 +333,7 @@ def _tile_signal(scope: str | None, skip: str, width: str, reg: str, total: str)
 """
 
 
-# Copy shapes (issue 15): the driver-like tile grid (CTA c copies the contiguous tile of
+# Copy shapes: the driver-like tile grid (CTA c copies the contiguous tile of
 # ntid*V vectors c, c+G, ...; with G = tiles each CTA copies one tile and exits), and a
 # persistent grid whose CTAs claim tiles in order from an atomic counter (dynamic
 # scheduling imitating the hardware's). Each thread issues its V loads, then its V stores.
@@ -457,7 +459,7 @@ END:
 """
 
 
-# The ceiling for a SCATTER (issue 15): the tile grid above, but each 16-byte vector goes to
+# The ceiling for a SCATTER: the tile grid above, but each 16-byte vector goes to
 # its row's destination, table[row] + 16*col (u64 per row, precomputed: no resolve), rows
 # of nv vectors; the data loads and the destination loads go out together. With a
 # counter, each tile ends like the send's signal (bar.sync, one fence.S, one atomic).

@@ -1,4 +1,4 @@
-"""``p3send bench --only gemm``: the MoE down-projection with the combine's send, in one run.
+"""Section ``gemm`` (8): the MoE down-projection with the combine's send, in one run.
 
 At the prefill and the decode shapes (rows = tokens x top_k grouped over the local experts,
 K = --gemm-k, N = --hidden): ``torch._grouped_mm`` alone (its faster weight layout),
@@ -15,17 +15,18 @@ from ..abi.config import P3PeerSendConfig, rank_config
 from ..cuda import driver
 from ..ops.gemm import GroupedGemmSend
 from ..ops.send import ScatterSend
-from .bench import Timer, prefill_routing
+from ..oracle.cases import prefill_routing
+from .timing import Timer
 
 SECTION_SHAPES = ("prefill", "decode")
 
 
-def _cfg(rtab, src, recv, ranks, top_k, msg, tokens) -> P3PeerSendConfig:
+def _cfg(range_table, src, recv, ranks, top_k, msg, tokens) -> P3PeerSendConfig:
     return rank_config(n_ranks=ranks, recv_bufs=recv[:ranks], top_k=top_k, msg_bytes=msg, max_tokens=tokens,
-                       range_table=rtab, src_info=src)
+                       range_table=range_table, src_info=src)
 
 
-def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -> dict:
+def measure_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -> dict:
     """One shape: every contender's median time, TFLOP/s and the ratios (see the module doc)."""
     E, N, K, ranks, top_k = a.experts, a.hidden, a.gemm_k, a.ranks, a.top_k
     off, table, src, _ = prefill_routing(tokens, ranks, top_k, E, rng)
@@ -40,12 +41,12 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
     ends = torch.as_tensor(off[1:], dtype=torch.int32, device="cuda")
     w_kn = w.transpose(1, 2).contiguous()                 # (E, K, N) row-major: the other layout
     layouts = {"w (E,N,K) as B^T": w.transpose(1, 2), "w (E,K,N)": w_kn}
-    rtab, srcb = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
-    offs = driver.DeviceBuffer.from_array(off)
+    table_buf, src_buf = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
+    offsets = driver.DeviceBuffer.from_array(off)
     recv_bytes = tokens * top_k * msg
     recvs = [[driver.DeviceBuffer(recv_bytes, fill=0xAB) for _ in range(ranks)] for _ in range(2)]
     counts = [[driver.DeviceBuffer(8 * E * ranks, fill=0xFF) for _ in range(ranks)] for _ in range(2)]
-    cfgs = [_cfg(rtab, srcb, recvs[i], ranks, top_k, msg, tokens) for i in range(2)]
+    cfgs = [_cfg(table_buf, src_buf, recvs[i], ranks, top_k, msg, tokens) for i in range(2)]
     c = torch.full((rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     res, out = {}, {"rows": rows, "n": N, "k": K, "experts": E, "gflop": flops / 1e9}
@@ -59,10 +60,11 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
         common = dict(expert_offsets_host=off, rows=rows, n_cols=N, k_dim=K)
         blocks = {}     # one prepared launch per variant
         for bm in bms:
-            blocks[f"gated bm={bm}"] = gem.prepare(cfgs[0], x, w, offs, c, bm=bm, into=gem.k.params_block(),
+            blocks[f"gated bm={bm}"] = gem.prepare(cfgs[0], x, w, offsets, c, bm=bm, into=gem.k.params_block(),
                                                    **common)
-            blocks[f"fused bm={bm}"] = gem.prepare(cfgs[1], x, w, offs, bm=bm, count_ptrs=[b.ptr for b in counts[1]],
-                                                   p3_control=0, same_gpu=True, into=gem.k.params_block(), **common)
+            blocks[f"fused bm={bm}"] = gem.prepare(cfgs[1], x, w, offsets, bm=bm,
+                                                   count_ptrs=[b.ptr for b in counts[1]], p3_control=0,
+                                                   same_gpu=True, into=gem.k.params_block(), **common)
         # correctness before timing: fused == gated C sent by p3_scatter_send, byte for byte
         checks = {}
         for bm in bms:
@@ -72,8 +74,8 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
                 for b in counts[i]:
                     b.fill(0xFF)
             gem.launch(s, blocks[f"gated bm={bm}"])
-            sender(cfgs[0], c.view(torch.uint8), offs, expert_offsets_host=off, count_ptrs=[b.ptr for b in counts[0]],
-                   same_gpu=True, stream=s)
+            sender(cfgs[0], c.view(torch.uint8), offsets, expert_offsets_host=off,
+                   count_ptrs=[b.ptr for b in counts[0]], same_gpu=True, stream=s)
             gem.launch(s, blocks[f"fused bm={bm}"])
             s.synchronize()
             same = all(_equal(torch, recvs[0][p], recvs[1][p]) for p in range(ranks))
@@ -92,7 +94,7 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
             y = tgm(i, bw)
             blk = prepared.get(y.data_ptr())
             if blk is None:   # the caching allocator hands back the same block: prepared once
-                blk = prepared[y.data_ptr()] = sender.prepare(cfgs[0], y.view(torch.uint8), offs,
+                blk = prepared[y.data_ptr()] = sender.prepare(cfgs[0], y.view(torch.uint8), offsets,
                                                               expert_offsets_host=off,
                                                               count_ptrs=[b.ptr for b in counts[0]], same_gpu=True,
                                                               into=sender.k.params_block())
@@ -112,7 +114,7 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
         if "linked" in gemms:
             lk = gemms["linked"]
             lbm = 128 if rows > 64 * E else 64
-            lk.prepare(cfgs[1], x, w, offs, bm=lbm, count_ptrs=[b.ptr for b in counts[1]], p3_control=0,
+            lk.prepare(cfgs[1], x, w, offsets, bm=lbm, count_ptrs=[b.ptr for b in counts[1]], p3_control=0,
                        same_gpu=True, **common)
             fns[f"p3_gemm_send fused bm={lbm}, linked (cuLink)"] = lambda i: lk.launch(s)
         res = timer.interleaved(fns, rounds=max(5, a.iters // 4), per_round=4, warmup=a.warmup)
@@ -132,7 +134,7 @@ def bench_gemm_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -
         for gm in gemms.values():
             gm.close()
         sender.close()
-        for b in [x for r in recvs for x in r] + [x for r in counts for x in r] + [rtab, srcb, offs]:
+        for b in [x for r in recvs for x in r] + [x for r in counts for x in r] + [table_buf, src_buf, offsets]:
             b.free()
     return out
 
@@ -143,17 +145,20 @@ def _equal(torch, a, b) -> bool:
     return bool(torch.equal(ta, tb))
 
 
-def bench_gemm(a, dev, rng, torch, out: dict, *, linked: bool = True) -> None:
-    """The ``gemm`` section: both shapes into out["gemm"]."""
+def measure(a, dev, rng, torch, *, linked: bool = True) -> dict:
+    """Both shapes (``SECTION_SHAPES``): {shape: measure_shape(...)}, or {"skipped": why}."""
     if torch is None:
-        out["gemm"] = {"skipped": "needs torch (torch._grouped_mm is the baseline)"}
-        return
+        return {"skipped": "needs torch (torch._grouped_mm is the baseline)"}
     if tuple(dev.cc) != (9, 0):
-        out["gemm"] = {"skipped": f"p3_gemm_send is Hopper-only (sm_90a); {dev.name} is sm_{dev.cc[0]}{dev.cc[1]}"}
-        return
-    out["gemm"] = {shape: bench_gemm_shape(a, dev, rng, torch, a.tokens if shape == "prefill" else a.decode_tokens,
-                                           linked=linked)
-                   for shape in SECTION_SHAPES}
+        return {"skipped": f"p3_gemm_send is Hopper-only (sm_90a); {dev.name} is sm_{dev.cc[0]}{dev.cc[1]}"}
+    return {shape: measure_shape(a, dev, rng, torch, a.tokens if shape == "prefill" else a.decode_tokens,
+                                 linked=linked)
+            for shape in SECTION_SHAPES}
+
+
+def run(ctx, out: dict) -> None:
+    """Section ``gemm``: both shapes into out["gemm"]."""
+    out["gemm"] = measure(ctx.args, ctx.dev, ctx.rng, ctx.torch)
 
 
 def table(out: dict) -> str:

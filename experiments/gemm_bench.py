@@ -1,7 +1,8 @@
-"""Issue 18 on one H200: p3_gemm_send's C against an fp32 reference, then the GEMM section
-(p3send/cli/bench_gemm.py) at the prefill and the decode shapes. Needs torch.
+"""Maintainer experiment, not maintained (experiments/README.md): p3_gemm_send's C against an
+fp32 reference, then the bench's GEMM section (p3send/bench/gemm.py) at the prefill and the
+decode shapes. Needs torch.
 
-    PYTHONPATH=. python tools/gemm_bench.py [--iters 20] [--json out.json]
+    PYTHONPATH=. python experiments/gemm_bench.py [--iters 20] [--json out.json]
 
 Error bound (per element of C, both operands bf16, so every product is exact in fp32):
     |C - R| <= ulp_bf16(|R|) + K * 2**-23 * (|X| @ |W|^T)
@@ -24,10 +25,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p3send.cli import bench_gemm  # noqa: E402
-from p3send.cli.bench import prefill_routing  # noqa: E402
+from p3send.bench import gemm as bench_gemm  # noqa: E402
 from p3send.cuda import driver  # noqa: E402
 from p3send.ops.gemm import GroupedGemmSend  # noqa: E402
+from p3send.oracle.cases import prefill_routing  # noqa: E402
 
 
 def check_c(torch, dev, tokens, a, rng, bm) -> dict:
@@ -92,11 +93,10 @@ def main() -> int:
         r = check_c(torch, dev, tokens, a, rng, bm)
         out["correctness"].append(r)
         print("C vs fp32 reference:", r, flush=True)
-    bg = bench_gemm
-    bg.bench_gemm(a, dev, rng, torch, out, linked=not args.no_linked)
+    out["gemm"] = bench_gemm.measure(a, dev, rng, torch, linked=not args.no_linked)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-    print(bg.table(out))
+    print(bench_gemm.table(out))
     ok = all(r["ok"] for r in out["correctness"]) and all(
         all(v["fused_equals_gated_then_scatter_send"].values()) for v in out["gemm"].values() if isinstance(v, dict)
         and "fused_equals_gated_then_scatter_send" in v)

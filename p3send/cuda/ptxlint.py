@@ -1,6 +1,7 @@
-"""``p3send check-ptx``: assemble the shipped PTX for every target, report its resources
-and lint its documented interface. CPU only: nvJitLink (a pip wheel) in-process and, when
-on PATH, the system ``ptxas``; never the CUDA driver.
+"""The PTX linter behind ``p3send check-ptx``: lint a PTX file's documented interface,
+assemble it for every target and judge its resources. CPU only: nvJitLink (a pip wheel,
+through ``driver.nvjitlink_link``) in-process and, when on PATH, the system ``ptxas``;
+never the CUDA driver.
 
 A file fails on an assembler error, a register spill, any stack frame or local memory in
 an ``.entry`` (p3send kernels must not touch local memory: it is slow and hides spills),
@@ -17,21 +18,30 @@ with no ``.entry`` or with extern references with ``-c`` (as it will be linked) 
 self-contained file as a whole program, as the driver JIT does when it loads that file.
 The two modes allocate registers differently: a kernel at its register ceiling may
 spill in one and not in the other, hence both tools.
+
+Only the files named are judged. The files beside one are read only when it links them
+(``.extern .func`` references, ``.visible .func`` prototypes); one that is not PTX text
+there is skipped, and named in the message if a function it might define is missing.
 """
 from __future__ import annotations
 
-import importlib
 import re
-import shutil
+import shlex
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..abi.config import FIELDS, P3_CONFIG_SIZE
-from ..abi.errors import P3SendError
-from ..cuda import ptxdoc
-from ..cuda.loader import ptx_dir
+from ..abi.errors import ConfigError, InputFileError, NoDeviceError
+from ..abi.files import read_bytes
+from . import driver, ptxdoc
+from .ptxdoc import Decl, declarations
+
+__all__ = ["DEFAULT_ARCHS", "MAX_PTX_VERSION", "Decl", "Report", "Resources", "assemble", "assemble_ptxas",
+           "assembly_unit", "check_archs", "check_file", "constant_problems", "declarations", "file_problems",
+           "header_constants", "links_siblings", "lint", "nvjitlink_missing", "parse_resources", "providers",
+           "read_ptx", "siblings", "targets"]
 
 DEFAULT_ARCHS = ("sm_90", "sm_100")
 
@@ -42,51 +52,173 @@ DEFAULT_ARCHS = ("sm_90", "sm_100")
 #: CUDA_ERROR_UNSUPPORTED_PTX_VERSION, and nvJitLink >= 13.1 would assemble it silently.
 MAX_PTX_VERSION = (9, 0)
 
-_INSTALL_HINT = ("install it with: pip install nvidia-nvjitlink==13.0.*  "
-                 "(13.0 matches driver 580; a newer nvJitLink accepts PTX that driver rejects)")
+#: The form of a target: a real architecture, optionally arch- or family-specific (a/f).
+_ARCH = re.compile(r"sm_\d{2,3}[af]?")
+_ARCH_FORM = "sm_<number> with an optional 'a' or 'f' suffix (e.g. sm_90, sm_90a, sm_100)"
 
 
-# ----------------------------------------------------------------------------- files
+# ----------------------------------------------------------------------------- inputs
 
+def check_archs(archs, what: str = "arch") -> list[str]:
+    """The targets to assemble for, checked before any work.
 
-def _blank_comments(text: str) -> str:
-    """``text`` with comments replaced by spaces, newlines kept, so offsets map to lines."""
-    return re.sub(r"/\*.*?\*/|//[^\n]*", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+    Args:
+        archs: target names, e.g. ``["sm_90", "sm_100"]``; repeats are dropped.
+        what: how the caller names them in messages (the command passes ``--arch``).
 
+    Returns:
+        ``archs`` in order, without repeats.
 
-@dataclass
-class Decl:
-    name: str
-    kind: str       # "entry" or "func"
-    extern: bool    # an ``.extern .func`` reference, defined in another file
-    line: int
-
-
-def declarations(text: str) -> list[Decl]:
-    """Every ``.entry``/``.func`` declaration, in file order (one per name)."""
-    code, out, seen = _blank_comments(text), [], set()
-    for m in ptxdoc._DECL.finditer(code):
-        if m.group(4) not in seen:
-            seen.add(m.group(4))
-            out.append(Decl(m.group(4), m.group(2), ".extern" in m.group(1),
-                            code.count("\n", 0, m.start()) + 1))
+    Raises:
+        ConfigError: a name not of the form ``sm_<number>[a|f]``, or one the installed
+            nvJitLink refuses; the message names it and the accepted form.
+    """
+    out = []
+    for arch in archs:
+        if not isinstance(arch, str) or not _ARCH.fullmatch(arch):
+            raise ConfigError(f"expected {_ARCH_FORM}, got {arch!r}", what)
+        if arch not in out:
+            out.append(arch)
+    if nvjitlink_missing() is None:
+        for arch in out:
+            why = driver.nvjitlink_refuses([f"-arch={arch}"])
+            if why:
+                raise ConfigError(why, what)
     return out
 
 
-def _providers(path: Path, text: str) -> tuple[list[tuple[str, str]], set[str]]:
-    """(name, text) of the PTX files beside ``path`` that define its ``.extern`` functions,
-    and the externs that none defines."""
-    wanted = {d.name for d in declarations(text) if d.extern}
-    out, missing = [], set(wanted)
-    for other in sorted(path.parent.glob("*.ptx")) if wanted else ():
-        if not other.is_file() or other.resolve() == path.resolve():
+def read_ptx(path) -> str:
+    """The text of a PTX file.
+
+    Args:
+        path: a path (str or ``os.PathLike``) to a regular file of at most
+            ``abi.files.MAX_TEXT_BYTES``.
+
+    Returns:
+        The file's text.
+
+    Raises:
+        InputFileError: the path is missing, not a regular file (a folder, a FIFO, a
+            device), too large, binary (a NUL byte) or not UTF-8; one line naming it.
+    """
+    data = read_bytes(path, what="PTX file")
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise InputFileError(f"PTX file {path}: a binary file (NUL at byte {nul}), not PTX text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputFileError(f"PTX file {path}: not PTX text: byte {e.start} ({data[e.start]:#04x}) is not "
+                             "UTF-8 (PTX is ASCII)") from None
+
+
+def links_siblings(text: str) -> bool:
+    """Whether the PTX ``text`` needs functions from other files: ``.extern .func``
+    references (linked) or ``.visible .func`` prototypes (appended, see ``assembly_unit``)."""
+    return any(d.extern for d in declarations(text)) or bool(ptxdoc.prototypes(text))
+
+
+def siblings(path) -> tuple[list[tuple[str, str]], list[str]]:
+    """The other PTX files in the folder of ``path``, for the functions it links.
+
+    Args:
+        path: the PTX file whose folder is searched (``*.ptx``, sorted by name).
+
+    Returns:
+        ((name, text) of each readable PTX file other than ``path``, one line per file
+        skipped because it is not PTX text or not a regular file).
+    """
+    path = Path(path)
+    found, skipped = [], []
+    for other in sorted(path.parent.glob("*.ptx")):
+        if other.resolve() == path.resolve():
             continue
-        t = read_ptx(other)
-        defined = wanted & {d.name for d in declarations(t) if not d.extern}
+        try:
+            found.append((other.name, read_ptx(other)))
+        except InputFileError as e:
+            skipped.append(str(e))
+    return found, skipped
+
+
+def _not_read(skipped: list[str]) -> str:
+    return f" (not read: {'; '.join(skipped)})" if skipped else ""
+
+
+def providers(path, text: str, sibling_files=None) -> tuple[list[tuple[str, str]], set[str]]:
+    """The PTX files beside ``path`` that define its ``.extern`` functions.
+
+    Args:
+        path: the PTX file (its folder is searched unless ``sibling_files`` is given).
+        text: its text.
+        sibling_files: (name, text) pairs to search instead (from ``siblings``).
+
+    Returns:
+        ((name, text) of each file defining one of them, the names none defines). A file
+        without extern references reads nothing.
+    """
+    wanted = {d.name for d in declarations(text) if d.extern}
+    if not wanted:
+        return [], set()
+    if sibling_files is None:
+        sibling_files = siblings(path)[0]
+    out, missing = [], set(wanted)
+    for name, other in sibling_files:
+        defined = wanted & {d.name for d in declarations(other) if not d.extern}
         if defined:
-            out.append((other.name, t))
+            out.append((name, other))
             missing -= defined
     return out, missing
+
+
+def assembly_unit(path, text: str, sibling_files=None) -> tuple[str, list[str]]:
+    """What is assembled for ``path``, and the nvJitLink options for it.
+
+    A file declaring ``.visible .func`` prototypes becomes one module with the sibling
+    files defining them appended (what the loader JIT-compiles, whole-program, calls
+    inlined). nvJitLink compiles relocatably, so there its callees must fit the caller's
+    register budget (65536 / .maxntid) and its call-ABI frames are not what runs.
+
+    Args:
+        path: the PTX file (its folder is searched unless ``sibling_files`` is given).
+        text: its text.
+        sibling_files: (name, text) pairs to search instead (from ``siblings``).
+
+    Returns:
+        (the module text: ``text`` itself, the same object, when it declares no
+        prototypes; the nvJitLink options, e.g. ``["-maxrregcount=168"]``).
+
+    Raises:
+        ConfigError: (a ValueError) no sibling defines a prototype.
+    """
+    if not ptxdoc.prototypes(text):
+        return text, []
+    skipped = []
+    if sibling_files is None:
+        sibling_files, skipped = siblings(path)
+    try:
+        whole = ptxdoc.module_text(text, sibling_files)
+    except ConfigError as e:
+        if not skipped:
+            raise
+        raise ConfigError([p + _not_read(skipped) for p in e.problems], e.what) from None
+    m = re.search(r"\.maxntid\s+(\d+)", whole)
+    opts = [f"-maxrregcount={min(255, 65536 // int(m.group(1)) // 8 * 8)}"] if whole is not text and m else []
+    return whole, opts
+
+
+def targets(text: str, archs) -> list[str]:
+    """The archs to assemble ``text`` for.
+
+    Args:
+        text: PTX text.
+        archs: the targets asked for.
+
+    Returns:
+        ``archs``, except that a file whose ``.target`` is arch-specific (``sm_90a``:
+        wgmma) assembles for that target alone.
+    """
+    specific = re.search(r"^\s*\.target\s+(sm_\d+a)\b", text, re.M)
+    return [specific.group(1)] if specific else list(archs)
 
 
 # ----------------------------------------------------------------------------- lint
@@ -123,7 +255,7 @@ def _check_cfg_load(what: str, pname: str, off: int, width: int) -> str | None:
 
 def _check_plain_load(what: str, p: ptxdoc.Param, off: int, width: int) -> str | None:
     """Why a load from a scalar or array parameter is wrong, or None."""
-    elem = ptxdoc._SCALAR.get(p.type.split("[")[0])
+    elem = ptxdoc.scalar_size(p.type.split("[")[0])
     if off < 0 or off + width > p.size:
         return f"{what} reaches outside {p.name} ({p.type}, {p.size} bytes)"
     if elem is not None and width != elem:
@@ -133,17 +265,8 @@ def _check_plain_load(what: str, p: ptxdoc.Param, off: int, width: int) -> str |
     return None
 
 
-def _row_line(lines: list[str], start: int, pname: str) -> int:
-    """The line of the PARAMS row of ``pname`` in the header starting at line ``start``."""
-    for i in range(start - 1, len(lines)):
-        r = ptxdoc._ROW.match(lines[i].rstrip())
-        if r and r.group(4) == pname:
-            return i + 1
-    return start
-
-
 def _check_params(name: str, hdr: ptxdoc.Entry, declared: list[ptxdoc.Param],
-                  decl_line: int, lines: list[str], hdr_line: int) -> list[tuple[int, str]]:
+                  decl_line: int) -> list[tuple[int, str]]:
     """The header's PARAMS table against the declared parameters, row by row."""
     out = []
     for i in range(max(len(hdr.params), len(declared))):
@@ -153,7 +276,7 @@ def _check_params(name: str, hdr: ptxdoc.Entry, declared: list[ptxdoc.Param],
             out.append((decl_line, f"{name}: parameter {d.name} (offset {d.offset}, {d.size} bytes) "
                                    f"is declared but not documented in PARAMS"))
             continue
-        at = _row_line(lines, hdr_line, h.name)
+        at = h.line or hdr.line
         if d is None:
             out.append((at, f"{name}: PARAMS documents {h.name}, which is not declared"))
             continue
@@ -177,11 +300,19 @@ def _check_params(name: str, hdr: ptxdoc.Entry, declared: list[ptxdoc.Param],
 
 
 def lint(text: str, name: str = "<ptx>") -> list[str]:
-    """Problems with the documented interface of one PTX file, as ``name:line: message``.
+    """Problems with the documented interface of one PTX file.
 
     Checks that every defined ``.entry``/``.func`` has a header block with all sections and
-    vice versa, that each PARAMS table equals the declaration, and that every ``ld.param``
-    of a documented parameter loads exactly one ABI field (P3PeerSendConfig) or one element.
+    vice versa, that each PARAMS table equals the declaration, that every ``ld.param``
+    of a documented parameter loads exactly one ABI field (P3PeerSendConfig) or one
+    element, and the header's CONSTANTS (``constant_problems``).
+
+    Args:
+        text: the PTX text.
+        name: the file name the messages start with.
+
+    Returns:
+        One ``name:line: message`` per problem, by line; empty when it is clean.
     """
     lines = text.splitlines()
     headers = ptxdoc.parse_header(text)
@@ -189,7 +320,6 @@ def lint(text: str, name: str = "<ptx>") -> list[str]:
     decls = declarations(text)
     protos = set(ptxdoc.prototypes(text))     # declared here, defined (and documented) elsewhere
     defined = {d.name: d for d in decls if not d.extern and d.name not in protos}
-    hdr_line = {m.group(2): i for i, s in enumerate(lines, 1) if (m := ptxdoc._HDR_START.match(s.rstrip()))}
     out: list[tuple[int, str]] = []
 
     for d in defined.values():                                               # (a)
@@ -197,20 +327,19 @@ def lint(text: str, name: str = "<ptx>") -> list[str]:
         if h is None:
             out.append((d.line, f".{d.kind} {d.name} has no '// {d.kind.upper()} {d.name}' header block"))
         elif h.kind != d.kind:
-            out.append((hdr_line[d.name], f"{d.name} is a .{d.kind} but its header says {h.kind.upper()}"))
+            out.append((h.line, f"{d.name} is a .{d.kind} but its header says {h.kind.upper()}"))
     for h in headers.values():
         if h.name not in defined:
-            out.append((hdr_line[h.name], f"header {h.kind.upper()} {h.name} documents no "
-                                          f".{h.kind} {h.name} defined in this file"))
+            out.append((h.line, f"header {h.kind.upper()} {h.name} documents no "
+                                f".{h.kind} {h.name} defined in this file"))
             continue
         missing = [s for s in ptxdoc.HEADER_SECTIONS if s not in h.sections]      # (e)
         empty = [s for s in ptxdoc.HEADER_SECTIONS[1:] if s in h.sections and not h.sections[s]]
         if missing:
-            out.append((hdr_line[h.name], f"header of {h.name} lacks section(s) {', '.join(missing)}"))
+            out.append((h.line, f"header of {h.name} lacks section(s) {', '.join(missing)}"))
         if empty:
-            out.append((hdr_line[h.name], f"header of {h.name} has empty section(s) {', '.join(empty)}"))
-        out += _check_params(h.name, h, declared.get(h.name, []), defined[h.name].line,  # (b)
-                             lines, hdr_line[h.name])
+            out.append((h.line, f"header of {h.name} has empty section(s) {', '.join(empty)}"))
+        out += _check_params(h.name, h, declared.get(h.name, []), defined[h.name].line)  # (b)
 
     parsed = {}
     for ln, pname, off, width in ptxdoc.parse_param_loads(text):                # (c), (d)
@@ -239,7 +368,14 @@ _IMMEDIATE = re.compile(r"(?<![%\w.])(\d+)\b")
 
 
 def header_constants(lines: list[str]) -> dict[str, int]:
-    """The ``// CONSTANTS NAME=value ...`` lines of a file's header."""
+    """The named constants of a file's header.
+
+    Args:
+        lines: the PTX text's lines.
+
+    Returns:
+        NAME -> value of every ``// CONSTANTS NAME=value ...`` line (decimal or 0x hex).
+    """
     found = {}
     for s in lines:
         m = _CONSTANTS.match(s.strip())
@@ -251,7 +387,14 @@ def header_constants(lines: list[str]) -> dict[str, int]:
 def constant_problems(lines: list[str]) -> list[tuple[int, str]]:
     """(f) Magic numbers tied to the header: an instruction whose comment names a constant
     of the header's CONSTANTS line (``NAME`` or ``NAME-1``) must carry that value as an
-    immediate, and every constant must be used so."""
+    immediate, and every constant must be used so.
+
+    Args:
+        lines: the PTX text's lines.
+
+    Returns:
+        (line, message) per problem; empty when every constant is used and matches.
+    """
     consts = header_constants(lines)
     used, out = set(), []
     for ln, s in enumerate(lines, 1):
@@ -270,8 +413,17 @@ def constant_problems(lines: list[str]) -> list[tuple[int, str]]:
 
 
 def file_problems(text: str, name: str = "<ptx>") -> list[str]:
-    """Module-level rules: ``.version`` present and loadable by the oldest supported
-    driver, ``.target`` present, 64-bit addresses, and one ``.entry`` named like the file."""
+    """Module-level rules: ASCII only, ``.version`` present and loadable by the oldest
+    supported driver (``MAX_PTX_VERSION``), ``.target`` present, 64-bit addresses, and one
+    ``.entry`` named like the file.
+
+    Args:
+        text: the PTX text.
+        name: the file name (``p3_x.ptx`` must define ``.entry p3_x`` if any entry).
+
+    Returns:
+        One ``name: message`` per problem; empty when it is clean.
+    """
     out = []
     bad = [i for i, line in enumerate(text.splitlines(), 1) if not line.isascii()]
     if bad:  # ptxas refuses the whole file ("Unexpected non-ASCII character")
@@ -329,7 +481,11 @@ class Report:
         return not self.error
 
     def problems(self) -> list[str]:
-        """Assembler errors, spills, and stack/local memory in entries, each with its log line."""
+        """Assembler errors, spills, and stack/local memory in entries.
+
+        Returns:
+            One message per problem, each with the log lines it comes from.
+        """
         at = f"{self.file} [{self.arch}, {self.tool}]"
         if self.error:
             return [f"{at}: assembler error:\n    " + "\n    ".join(self.error.strip().splitlines())]
@@ -365,6 +521,12 @@ def parse_resources(log: str) -> dict[str, Resources]:
     Stats lines belong to the function last named. nvJitLink logs its embedded ptxas
     first, then the linker's summary; the first value of each stat wins, so both tools
     report ptxas' numbers and the linker only fills in what ptxas left out (lmem).
+
+    Args:
+        log: the assembler's info log.
+
+    Returns:
+        function name -> Resources (kind "func" until ``_own_functions`` reads the source).
     """
     out: dict[str, Resources] = {}
     cur = None
@@ -400,152 +562,119 @@ def _own_functions(text: str, found: dict[str, Resources]) -> list[Resources]:
     return out
 
 
-def _nvjitlink():
-    """``cuda.bindings.nvjitlink`` with its library loaded, or a P3SendError saying how to get it."""
+
+def nvjitlink_missing() -> str | None:
+    """Why nvJitLink cannot assemble here.
+
+    Returns:
+        One line saying what is missing and how to install it, or None when it can.
+    """
     try:
-        nvjitlink = importlib.import_module("cuda.bindings.nvjitlink")
-        nvjitlink.version()    # loads libnvJitLink: a missing wheel fails here, not mid-check
-    except (ImportError, RuntimeError, OSError) as e:
-        raise P3SendError(f"check-ptx needs nvJitLink to assemble PTX on the CPU "
-                          f"({type(e).__name__}: {str(e).strip()}); {_INSTALL_HINT}") from e
-    return nvjitlink
-
-
-def _log(handle, size_fn, get_fn) -> str:
-    n = size_fn(handle)
-    if not n:
-        return ""
-    buf = bytearray(n)
-    get_fn(handle, buf)
-    return bytes(buf).rstrip(b"\0").decode(errors="replace")
+        driver.nvjitlink_version()
+    except NoDeviceError as e:
+        return str(e)
+    return None
 
 
 def assemble(ptx_text: str, name: str, arch: str, deps=(), options=(), judge_resources: bool = True) -> Report:
-    """Assemble ``ptx_text`` for ``arch`` in-process with nvJitLink and parse its report.
+    """Assemble PTX for ``arch`` in-process with nvJitLink and parse its report.
 
-    ``deps``: (name, text) of PTX files that define the ``.extern`` functions it calls.
-    Never raises for bad PTX: the error log is in ``Report.error``.
+    Args:
+        ptx_text: the PTX module.
+        name: its file name, for the logs and the report.
+        arch: the target, e.g. ``"sm_90"``.
+        deps: (name, text) of PTX files that define the ``.extern`` functions it calls.
+        options: more nvJitLink options, e.g. ``["-maxrregcount=168"]``.
+        judge_resources: False for a relocatable compile of a module the loader inlines
+            (only its errors count).
+
+    Returns:
+        The Report; an assembler error is in ``Report.error`` (bad PTX never raises).
+
+    Raises:
+        NoDeviceError: nvJitLink is not installed (the message says how to install it).
     """
-    nvjitlink = _nvjitlink()
     v = ptxdoc.ptx_version(ptx_text)
     if v is not None and v > MAX_PTX_VERSION:
+        driver.nvjitlink_version()     # a missing nvJitLink is reported as such, also here
         # nvJitLink 13.0.88 fails on it with "fatal: Unsupported .version" and from then on
         # links unresolved externs without error for the rest of the process.
         return Report(name, arch, "nvjitlink", [], "",
                       f"not assembled: .version {v[0]}.{v[1]} is newer than "
                       f"{MAX_PTX_VERSION[0]}.{MAX_PTX_VERSION[1]}")
-    try:
-        opts = [f"-arch={arch}", "-verbose", *options]
-        handle = nvjitlink.create(len(opts), opts)
-    except nvjitlink.nvJitLinkError as e:
-        return Report(name, arch, "nvjitlink", [], "", f"nvJitLink refuses -arch={arch}: {e}")
-    try:
-        error = ""
-        try:
-            for n, t in ((name, ptx_text), *deps):
-                data = t.encode()
-                nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), n)
-            nvjitlink.complete(handle)
-        except nvjitlink.nvJitLinkError as e:
-            error = f"{e}"
-        # The logs die with the handle: read them before destroy.
-        info = _log(handle, nvjitlink.get_info_log_size, nvjitlink.get_info_log)
-        if error:
-            error = _log(handle, nvjitlink.get_error_log_size, nvjitlink.get_error_log) or error
-    finally:
-        nvjitlink.destroy(handle)
+    info, error = driver.nvjitlink_link([(name, ptx_text), *deps], [f"-arch={arch}", "-verbose", *options])
     tool = "nvjitlink" if judge_resources else "nvjitlink (relocatable, errors only)"
     return Report(name, arch, tool, _own_functions(ptx_text, parse_resources(info)), info, error,
                   judge_resources)
 
 
 def assemble_ptxas(ptx_text: str, name: str, arch: str, ptxas: str = "ptxas") -> Report:
-    """Assemble with the system ``ptxas -v`` (``-c`` for libraries, see the module doc)."""
+    """Assemble with the system ``ptxas -v``: ``-c`` for a file with extern references or
+    without an entry (it will be linked), else whole-program, as the driver JIT does.
+
+    Args:
+        ptx_text: the PTX module.
+        name: its file name: ptxas compiles a copy so named in a temporary folder, so its
+            errors read "ptxas p3_x.ptx, line 57". Passed as one argument (no shell).
+        arch: the target, e.g. ``"sm_90"``.
+        ptxas: the ptxas executable.
+
+    Returns:
+        The Report; an assembler error (or ptxas failing to run) is in ``Report.error``.
+    """
     decls = declarations(ptx_text)
     relocatable = any(d.extern for d in decls) or not any(d.kind == "entry" for d in decls)
+    base = Path(name).name or "module.ptx"
+    # "./" keeps a name starting with "-" from reading as an option.
+    arg = f"./{base}" if base.startswith("-") else base
     with tempfile.TemporaryDirectory() as tmp:
-        # Run beside a copy named like the file, so errors read "ptxas p3_x.ptx, line 57".
-        (Path(tmp) / name).write_text(ptx_text)
-        cmd = [ptxas, f"-arch={arch}", "-v", *(["-c"] if relocatable else []), name, "-o", "out.cubin"]
+        (Path(tmp) / base).write_text(ptx_text)
+        cmd = [ptxas, f"-arch={arch}", "-v", *(["-c"] if relocatable else []), arg, "-o", "out.cubin"]
         try:
             res = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
-            return Report(name, arch, "ptxas", [], "", f"{' '.join(cmd)}: {e}")
+            return Report(name, arch, "ptxas", [], "", f"{shlex.join(cmd)}: {e}")
     log = res.stdout + res.stderr
-    error = "" if res.returncode == 0 else log or f"ptxas exited with {res.returncode}"
+    error = "" if res.returncode == 0 else log or f"{shlex.join(cmd)} exited with {res.returncode}"
     return Report(name, arch, "ptxas" + (" -c" if relocatable else ""),
                   _own_functions(ptx_text, parse_resources(log)), log, error)
 
 
-# ----------------------------------------------------------------------------- command
+def check_file(path, archs, ptxas: str | None, use_nvjitlink: bool = True, notes: list[str] | None = None,
+               text: str | None = None) -> tuple[list[Report], list[str]]:
+    """Lint one PTX file and assemble it for every target with the tools asked for.
 
-def assembly_unit(path: Path, text: str) -> tuple[str, list[str]]:
-    """What is assembled for ``path``, and the nvJitLink options for it.
+    Args:
+        path: the PTX file; its folder is read only when it links other files.
+        archs: the targets (checked with ``check_archs``); ``targets`` narrows them.
+        ptxas: the ptxas executable, or None for no ptxas.
+        use_nvjitlink: assemble with nvJitLink too.
+        notes: a check no available tool can make is added here (skipped, not failed).
+        text: the file's text when already read (else it is read with ``read_ptx``).
 
-    A file declaring ``.visible .func`` prototypes becomes one module with the sibling
-    files defining them appended (what the loader JIT-compiles, whole-program, calls
-    inlined). nvJitLink compiles relocatably, so there its callees must fit the caller's
-    register budget (65536 / .maxntid) and its call-ABI frames are not what runs.
-    Raises ValueError when no sibling defines a prototype."""
-    siblings = [(o.name, read_ptx(o)) for o in sorted(path.parent.glob("*.ptx"))
-                if o.is_file() and o.resolve() != path.resolve()]
-    whole = ptxdoc.module_text(text, siblings)
-    m = re.search(r"\.maxntid\s+(\d+)", whole)
-    opts = [f"-maxrregcount={min(255, 65536 // int(m.group(1)) // 8 * 8)}"] if whole is not text and m else []
-    return whole, opts
+    Returns:
+        (the reports of every assembly, every problem as one message).
 
-
-def read_ptx(path: Path) -> str:
-    """The text of a PTX file, or a P3SendError saying in one line why it is not one."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise P3SendError(f"cannot read {path}: {e.strerror or e}") from None
-    nul = data.find(b"\0")
-    if nul >= 0:
-        raise P3SendError(f"{path}: a binary file (NUL at byte {nul}), not PTX text")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise P3SendError(f"{path}: not PTX text: byte {e.start} ({data[e.start]:#04x}) is not UTF-8 "
-                          "(PTX is ASCII)") from None
-
-
-def nvjitlink_missing() -> str | None:
-    """Why nvJitLink cannot assemble here (one line), or None when it can."""
-    try:
-        _nvjitlink()
-    except P3SendError as e:
-        return str(e)
-    return None
-
-
-def targets(text: str, archs) -> list[str]:
-    """The archs to assemble ``text`` for: ``archs``, except that a file whose ``.target``
-    is arch-specific (``sm_90a``: wgmma) assembles for that target alone."""
-    specific = re.search(r"^\s*\.target\s+(sm_\d+a)\b", text, re.M)
-    return [specific.group(1)] if specific else list(archs)
-
-
-def check_file(path: Path, archs, use_ptxas: bool, use_nvjitlink: bool = True,
-               notes: list[str] | None = None) -> tuple[list[Report], list[str]]:
-    """Lint one file and assemble it for every arch with the tools asked for: (reports,
-    problems). A check no available tool can make goes to ``notes`` (skipped, not failed)."""
-    text = read_ptx(path)
+    Raises:
+        InputFileError: ``path`` is not a readable PTX text file.
+    """
+    path = Path(path)
+    text = read_ptx(path) if text is None else text
     notes = [] if notes is None else notes
     problems = file_problems(text, path.name) + lint(text, path.name)
-    deps, missing = _providers(path, text)
+    sibling_files, skipped = siblings(path) if links_siblings(text) else ([], [])
+    deps, missing = providers(path, text, sibling_files)
     # Checked here, not left to the linker: nvJitLink accepts unresolved externs in a file
     # without entries (and, after some errors, everywhere).
-    problems += [f"{path.name}: .extern .func {m} is defined by no PTX file in {path.parent}"
+    problems += [f"{path.name}: .extern .func {m} is defined by no PTX file in {path.parent}{_not_read(skipped)}"
                  for m in sorted(missing)]
     try:
-        whole, opts = assembly_unit(path, text)
-    except ValueError as e:
-        problems.append(f"{path.name}: {e}")
+        whole, opts = assembly_unit(path, text, sibling_files)
+    except ConfigError as e:
+        problems.append(f"{path.name}: {e}{_not_read(skipped)}")
         whole, opts = text, []
     inlined = whole is not text
-    if inlined and not use_ptxas and use_nvjitlink:
+    if inlined and not ptxas and use_nvjitlink:
         # nvJitLink compiles relocatably, keeping the calls the loader inlines: only its errors count.
         notes.append(f"{path.name}: registers, spills and stack NOT checked: the loader inlines its calls, so "
                      "they are judged on a whole-program ptxas compile, and no ptxas is on PATH")
@@ -553,50 +682,8 @@ def check_file(path: Path, archs, use_ptxas: bool, use_nvjitlink: bool = True,
     for arch in targets(text, archs):
         if use_nvjitlink:
             reports.append(assemble(whole, path.name, arch, deps, opts, judge_resources=not inlined))
-        if use_ptxas:
-            reports.append(assemble_ptxas(whole, path.name, arch))
+        if ptxas:
+            reports.append(assemble_ptxas(whole, path.name, arch, ptxas))
     for r in reports:
         problems += r.problems()
     return reports, problems
-
-
-def _table(reports: list[Report]) -> str:
-    def n(v):
-        return "-" if v is None else str(v)
-    rows = [("file", "entry", "arch", "tool", "regs", "smem", "stack", "spills", "lmem")]
-    for r in reports:
-        if not r.ok:
-            rows.append((r.file, "-", r.arch, r.tool, "FAILED", "", "", "", ""))
-        for f in r.functions:
-            stack = n(f.stack) if f.cum_stack in (None, f.stack) else f"{n(f.stack)}/{f.cum_stack}"
-            spills = "-" if f.spill_stores is None else f"{f.spill_stores}/{n(f.spill_loads)}"
-            rows.append((r.file, f.name if f.kind == "entry" else f"{f.name} (func)", r.arch, r.tool,
-                         n(f.regs), n(f.smem), stack, spills, n(f.lmem)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
-
-
-def main(args) -> int:
-    """``p3send check-ptx``: 0 when every file passes, 1 otherwise (problems printed)."""
-    files = [Path(f) for f in args.files] or sorted(ptx_dir().glob("*.ptx"))
-    archs = args.arch or list(DEFAULT_ARCHS)
-    ptxas = None if args.no_ptxas else shutil.which("ptxas")
-    no_jit = nvjitlink_missing()
-    reports, problems, notes = [], [], []
-    if no_jit:
-        notes.append(("nothing assembled (lint only): " if not ptxas else "assembled by ptxas only: ") + no_jit)
-    for path in files:
-        r, p = check_file(path, archs, ptxas is not None, not no_jit, notes)
-        reports += r
-        problems += p
-    print(_table(reports))
-    print("stack: own frame/with callees; spills: bytes stored/loaded"
-          + ("" if ptxas else "; system ptxas " + ("skipped (--no-ptxas)" if args.no_ptxas else "not on PATH")))
-    for n in notes:
-        print(f"NOTE {n}")
-    for p in problems:
-        print(f"FAIL {p}")
-    print(f"check-ptx: {len(files)} file(s), {', '.join(archs)}: "
-          + (f"{len(problems)} problem(s)" if problems else "ok")
-          + (f", {len(notes)} check(s) skipped" if notes else ""))
-    return 1 if problems else 0

@@ -1,7 +1,8 @@
-"""Maintainer experiment: where p3_gemm_send's fused time goes at the decode shape. Builds an
-instrumented copy of the kernel (nvcc, from ptx/cuda/p3_gemm_send.cu with %globaltimer stamps
-added in memory; nothing shipped changes) and of p3_send_rows, then prints per launch, as
-medians over the launches (us from the first CTA's start):
+"""Maintainer experiment, not maintained (experiments/README.md): where p3_gemm_send's fused
+time goes at the decode shape. Builds an instrumented copy of the kernel (nvcc, from
+ptx/cuda/p3_gemm_send.cu with %globaltimer stamps added in memory; nothing shipped changes)
+and of p3_send_rows, then prints per launch, as medians over the launches (us from the
+first CTA's start):
 
     main   the last CTA to have its last tile staged by the consumers (the mainloop's end:
            gated, send warp 0's wait for it; fused, the end of that wait in p3_send_rows)
@@ -12,7 +13,7 @@ medians over the launches (us from the first CTA's start):
 for the gated GEMM (C written), the fused GEMM and the fused GEMM without the signal.
 The stamps go to cfg.trace_ptr (trace_on stays 0: the kernels' own trace is off).
 
-    PYTHONPATH=. python3 tools/gemm_timeline.py [--tokens 128] [--launches 30]
+    PYTHONPATH=. python3 experiments/gemm_timeline.py [--tokens 128] [--launches 30]
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools"))          # build_gemm
+sys.path.insert(0, str(ROOT / "experiments"))    # gemm_ab
 
 import build_gemm  # noqa: E402
 from gemm_ab import E, K, N, problem  # noqa: E402
@@ -139,10 +141,10 @@ def main() -> int:
     g.k = loader.load(module, device=dev, name="p3_gemm_send (stamped)")["p3_gemm_send"]
     driver.set_max_dynamic_smem(g.k.func, g.smem)
     common = dict(expert_offsets_host=P.off, rows=P.rows, n_cols=N, k_dim=K)
-    blocks = {"gated": g.prepare(cfg, P.x, P.w, P.offs, P.c, into=g.k.params_block(), **common),
-              "fused": g.prepare(cfg, P.x, P.w, P.offs, count_ptrs=[b.ptr for b in P.counts], p3_control=0,
+    blocks = {"gated": g.prepare(cfg, P.x, P.w, P.expert_offsets, P.c, into=g.k.params_block(), **common),
+              "fused": g.prepare(cfg, P.x, P.w, P.expert_offsets, count_ptrs=[b.ptr for b in P.counts], p3_control=0,
                                  same_gpu=True, into=g.k.params_block(), **common),
-              "fused, no signal": g.prepare(cfg, P.x, P.w, P.offs, p3_control=0, same_gpu=True,
+              "fused, no signal": g.prepare(cfg, P.x, P.w, P.expert_offsets, p3_control=0, same_gpu=True,
                                             into=g.k.params_block(), **common)}
     res = {k: [] for k in blocks}
     for it in range(a.launches + 3):

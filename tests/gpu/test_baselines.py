@@ -1,4 +1,4 @@
-"""The bench's fair peers (p3send/cli/peers.py: a Triton and a CUDA C++ scatter kernel
+"""The bench's baselines (p3send/bench/baselines.py: a Triton and a CUDA C++ scatter kernel
 doing the send's job from the same inputs) write what the oracle says: every case family,
 and a decode-size one-rank send with 8 receive buffers (guards, counts, state reset)."""
 from __future__ import annotations
@@ -10,17 +10,17 @@ from tests.gpu.conftest import OK, WHY, fresh_seed
 pytestmark = pytest.mark.skipif(not OK, reason=f"no usable GPU: {WHY}")
 
 
-def test_peers_byte_exact(dev):
-    from tests.gpu.peers_check import Shape, check_peers
+def test_baselines_byte_exact(dev):
+    from tests.gpu.baselines_check import Shape, check_baselines
     try:
         import torch
     except ImportError:
         torch = None
-    out = check_peers(dev, fresh_seed("peers"), torch, shapes=(Shape("decode one rank", 128, sets=2),),
-                      iters=3, warmup=1, passes=1)
+    out = check_baselines(dev, fresh_seed("baselines"), torch, shapes=(Shape("decode one rank", 128, sets=2),),
+                          iters=3, warmup=1, passes=1)
     problems = {name: p for name, p in out["families"].items() if p}
     problems.update({f"decode one rank: {name}": p for name, p in out["decode one rank"]["check"].items() if p})
-    assert out["families"], "no peer was built"
+    assert out["families"], "no baseline was built"
     assert not problems, problems
     assert not out.get("errors"), out.get("errors")
 
@@ -37,7 +37,7 @@ def test_round_ceiling_kernels(dev):
     import numpy as np
 
     from p3send.abi.layout import SENTINEL
-    from p3send.cli.peers import PeerUnavailable, ReduceCeiling, RowsCopy
+    from p3send.bench.baselines import BaselineUnavailable, ReduceCeiling, RowsCopy
     from p3send.cuda import driver
     from p3send.ops.combine import Combine
     from p3send.oracle.cases import world_case, world_recv_expected, world_row_dst
@@ -56,9 +56,9 @@ def test_round_ceiling_kernels(dev):
             makers = {sig: RowsCopy(device=dev, threads=64, vpt=2, rows_per_cta=3 if sig is True else 1, signal=sig)
                       for sig in (False, True, "kernel", "red")}
             red = ReduceCeiling(device=dev, threads=32, vpt=2)
-        except PeerUnavailable as e:
+        except BaselineUnavailable as e:
             pytest.skip(f"the ceilings cannot be built here: {e}")
-        comb.load_world(world)
+        comb.load(world)
         comb.round()
         s = comb.origin
         recv = [driver.DeviceBuffer(world.tokens * world.top_k * msg, fill=SENTINEL) for _ in range(R)]
