@@ -19,8 +19,8 @@ import importlib
 
 from .abi.config import (CONFIG_DTYPE, FIELDS, P3_CONFIG_SIZE, P3_MAX_RANKS, P3_TRACE_SLOTS, P5_SEND_MBX_INTS,
                          P5_SEND_MBX_STRIDE, P3PeerSendConfig, P3SendCtx, rank_config, shape_problems, validate)
-from .abi.errors import (ArrivalTimeout, ConfigError, ConfigTypeError, ContextLostError, CudaError, FieldError,
-                         InputFileError, NoDeviceError, P3SendError, ParamMismatchError, UnknownNameError)
+from .abi.errors import (ArrivalTimeout, ConfigError, ConfigIndexError, ConfigTypeError, ContextLostError, CudaError,
+                         FieldError, InputFileError, NoDeviceError, P3SendError, ParamMismatchError, UnknownNameError)
 from .abi.layout import (NOT_ARRIVED, RANGE_READY_FLAG, SENTINEL, decode_range_table, encode_range_table,
                          recv_buf_bytes, recv_buf_layout, recv_count_layout, recv_counts_len)
 
@@ -51,9 +51,9 @@ _RENAMED = {"load_ptx": "load", "link_ptx": "link"}
 
 __all__ = ["CONFIG_DTYPE", "FIELDS", "P3_CONFIG_SIZE", "P3_MAX_RANKS", "P3_TRACE_SLOTS", "P5_SEND_MBX_INTS",
            "P5_SEND_MBX_STRIDE", "P3PeerSendConfig", "P3SendCtx", "rank_config", "shape_problems", "validate",
-           "ArrivalTimeout", "ConfigError", "ConfigTypeError", "ContextLostError", "CudaError", "FieldError",
-           "InputFileError", "NoDeviceError", "P3SendError", "ParamMismatchError", "UnknownNameError", "NOT_ARRIVED",
-           "RANGE_READY_FLAG", "SENTINEL", "decode_range_table", "encode_range_table", "recv_buf_bytes",
+           "ArrivalTimeout", "ConfigError", "ConfigIndexError", "ConfigTypeError", "ContextLostError", "CudaError",
+           "FieldError", "InputFileError", "NoDeviceError", "P3SendError", "ParamMismatchError", "UnknownNameError",
+           "NOT_ARRIVED", "RANGE_READY_FLAG", "SENTINEL", "decode_range_table", "encode_range_table", "recv_buf_bytes",
            "recv_buf_layout", "recv_count_layout", "recv_counts_len", "__version__", *_LAZY]
 
 

@@ -37,7 +37,7 @@ import socket
 
 import numpy as np
 
-from ..abi.config import rank_config, shape_problems
+from ..abi.config import describe_value, rank_config, shape_problems
 from ..abi.errors import ArrivalTimeout, ConfigError, P3SendError
 from ..abi.layout import recv_buf_bytes
 from ..cuda import driver
@@ -79,13 +79,16 @@ class Rank:
         ``bind`` (e.g. torch tensors refreshed in place)."""
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
-        if not (0 <= rank < n_ranks):
-            problems.append(f"rank: expected 0..{n_ranks - 1}, got {rank}")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or \
+                not isinstance(n_ranks, (int, np.integer)) or not 0 <= rank < n_ranks:
+            problems.append(f"rank: expected an integer 0..n_ranks-1 (n_ranks={n_ranks!r}), got {describe_value(rank)}")
         ex = (getattr(exchange, "rank", None), getattr(exchange, "n_ranks", None))
         if ex != (rank, n_ranks):
-            problems.append(f"exchange: expected rank {rank} of {n_ranks}, it says rank {ex[0]} of {ex[1]}")
-        if sync_timeout_s <= 0:
-            problems.append(f"sync_timeout_s: expected > 0, got {sync_timeout_s}")
+            problems.append(f"exchange: expected rank {rank!r} of {n_ranks!r}, it says rank {ex[0]} of {ex[1]}")
+        if isinstance(sync_timeout_s, bool) or not isinstance(sync_timeout_s, (int, float)) or \
+                not 0 < sync_timeout_s < float("inf"):
+            problems.append(f"sync_timeout_s: expected a finite number of seconds > 0, got "
+                            f"{describe_value(sync_timeout_s)}")
         if problems:
             raise ConfigError(problems, f"Rank {rank}")
         self.rank, self.n_ranks, self.exchange = rank, n_ranks, exchange

@@ -61,7 +61,7 @@ def test_numpy_dtype_layout():
 
 
 def test_header_compiled_by_the_c_compiler_matches(tmp_path):
-    from p3send.cli.conform import c_layout
+    from p3send.conform import c_layout
     layout = c_layout(HEADER)   # cffi API mode: offsets come from gcc's offsetof/sizeof
     assert (layout.size, layout.align) == (184, 8)
     assert [(m.name, m.offset, m.size) for m in layout.members] == SPEC_TABLE
@@ -258,7 +258,7 @@ def _ptx_send_acct() -> list[tuple[str, int, int]]:
 
 def test_send_ctx_ptx_ctypes_and_c_agree():
     from p3send.abi.config import P3SendCtx
-    from p3send.cli.conform import c_layout
+    from p3send.conform import c_layout
     ptx = _ptx_send_ctx()
     assert [n for n, _, _ in ptx] == [n for n, _ in P3SendCtx._fields_]
     assert [(n, getattr(P3SendCtx, n).offset, getattr(P3SendCtx, n).size) for n, _ in P3SendCtx._fields_] == ptx
@@ -270,7 +270,7 @@ def test_send_ctx_ptx_ctypes_and_c_agree():
 
 
 def test_send_acct_ptx_and_c_agree():
-    from p3send.cli.conform import c_layout
+    from p3send.conform import c_layout
     layout = c_layout(HEADER, "P3SendAcct")
     assert (layout.size, layout.align) == (abi.P3_SEND_ACCT_SIZE, 8) == (48, 8)
     members = [(m.name, m.offset, m.size) for m in layout.members]
@@ -344,17 +344,14 @@ def test_header_prototypes_link_with_the_ptx(tmp_path):
     r = subprocess.run([nvcc, "-rdc=true", "-ptx", "-arch=sm_90", f"-I{HEADER.parent}", str(src), "-o", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    from p3send.cli import ptxcheck
-    from p3send.cuda import ptxdoc
+    from p3send.cuda import ptxdoc, ptxlint
     ptx = out.read_text()
     ours = ptxdoc.parse_decls(SEND_ROWS_PTX.read_text())
     theirs = ptxdoc.parse_decls(ptx)
     for name in ("p3_send_rows", "p3_send_flush"):
         assert [(p.offset, p.size, p.type) for p in theirs[name]] == [(p.offset, p.size, p.type) for p in ours[name]]
-    from p3send.abi.errors import P3SendError
-    try:
-        ptxcheck._nvjitlink()
-    except P3SendError as e:
-        pytest.skip(str(e))
-    report = ptxcheck.assemble(ptx, "caller.ptx", "sm_90", deps=[(SEND_ROWS_PTX.name, SEND_ROWS_PTX.read_text())])
+    why = ptxlint.nvjitlink_missing()
+    if why:
+        pytest.skip(why)
+    report = ptxlint.assemble(ptx, "caller.ptx", "sm_90", deps=[(SEND_ROWS_PTX.name, SEND_ROWS_PTX.read_text())])
     assert report.ok, report.error

@@ -342,12 +342,12 @@ def test_a_send_cta_leaves_no_room_for_a_receive_cta():
     # receive CTA must not fit in one SM's 64 K registers together (registers are
     # allocated per warp, in units of 8 per thread), for the numbers the JIT gives.
     from p3send.abi.errors import P3SendError
-    from p3send.cli import ptxcheck
+    from p3send.cuda import ptxlint
 
     def regs(name: str) -> int:
         path = PTX_DIR / f"{name}.ptx"
         try:
-            r = ptxcheck.assemble(path.read_text(), path.name, "sm_90")
+            r = ptxlint.assemble(path.read_text(), path.name, "sm_90")
         except P3SendError as e:
             pytest.skip(str(e))
         assert r.problems() == [], r.problems()
@@ -370,14 +370,14 @@ def test_the_epilogue_send_keeps_four_ctas_per_sm():
     import inspect
     import shutil
 
-    from p3send.cli import ptxcheck
+    from p3send.cuda import ptxlint
     from p3send.ops.send import EpilogueSend
 
     if shutil.which("ptxas") is None:
         pytest.skip("needs ptxas (the CUDA toolkit) to compile the module whole-program")
     path = PTX_DIR / "p3_epilogue_send.ptx"
-    whole, _ = ptxcheck.assembly_unit(path, path.read_text())
-    r = ptxcheck.assemble_ptxas(whole, path.name, "sm_90")
+    whole, _ = ptxlint.assembly_unit(path, path.read_text())
+    r = ptxlint.assemble_ptxas(whole, path.name, "sm_90")
     assert not r.error, r.error
     regs = next(f.regs for f in r.functions if f.name == "p3_epilogue_send")
     defaults = inspect.signature(EpilogueSend.__init__).parameters

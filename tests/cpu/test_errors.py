@@ -36,7 +36,7 @@ def enabled(**kw) -> P3PeerSendConfig:
 @pytest.mark.parametrize("make, match", [
     (lambda: ScatterSend(0), r"n_experts: expected >= 1, got 0"),
     (lambda: ScatterSend(1, threads=33), r"threads: expected a multiple of 32 in 32\.\.1024, got 33"),
-    (lambda: P3PeerSendConfig.from_bytes(b"x"), r"image: expected 184 bytes, got 1"),
+    (lambda: P3PeerSendConfig.from_bytes(b"x"), r"data: expected 184 bytes, got 1"),
     (lambda: setattr(P3PeerSendConfig(), "recv_buf_ptrs", [BASE] * 7), r"recv_buf_ptrs: expected 8 addresses, got 7"),
 ])
 def test_bad_arguments_raise_config_errors_before_any_cuda(make, match):

@@ -102,4 +102,6 @@ def test_range_table_errors():
     with pytest.raises(ValueError, match="expert 1 owns 7 rows but has 4"):
         encode_range_table([0, 5, 9], [[2, 3], [4, 3]])
     with pytest.raises(ValueError, match="exceed int32"):
+        encode_range_table([0, 2**31 - 1], [[2**31 - 1]])     # rows fit, rows + the ready flag do not
+    with pytest.raises(ValueError, match=r"expert_offsets: expected int32 row offsets 0\.\.2147483647, got 2147483648"):
         encode_range_table([0, 2**31], [[2**31 - 1]])
