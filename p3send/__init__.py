@@ -31,10 +31,16 @@ __version__ = "0.2.0"
 _LAZY = {
     # launchers, one per kernel
     "ScatterSend": "p3send.ops.send", "EpilogueSend": "p3send.ops.send", "RecvReduce": "p3send.ops.recv",
-    "GroupedGemmSend": "p3send.ops.gemm", "SendLauncher": "p3send.ops.send", "SendArgs": "p3send.ops.send",
+    "GroupedGemmSend": "p3send.ops.gemm", "GroupedGemmFp8Send": "p3send.ops.gemm_fp8",
+    "QuantFp8": "p3send.ops.quant", "scale_layout": "p3send.ops.quant",
+    "SendLauncher": "p3send.ops.send", "SendArgs": "p3send.ops.send",
     "send_args": "p3send.ops.send",
     "FLAG_ROW_CACHE": "p3send.ops.send", "FLAG_SIGNAL": "p3send.ops.send", "FLAG_SCOPE_GPU": "p3send.ops.send",
     "FLAG_TILE": "p3send.ops.send",
+    # the dispatch (the combine's producer)
+    "Dispatch": "p3send.ops.dispatch", "DispatchRank": "p3send.ops.dispatch", "DispatchShape": "p3send.ops.dispatch",
+    "DispatchError": "p3send.ops.dispatch", "DispatchTimeout": "p3send.ops.dispatch",
+    "dispatch_capacity": "p3send.ops.dispatch",
     # rounds and ranks
     "Combine": "p3send.ops.combine", "Rank": "p3send.ops.rank", "run_ranks": "p3send.ops.procs",
     "RankOutcome": "p3send.ops.procs",

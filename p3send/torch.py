@@ -41,7 +41,7 @@ from .cuda import driver
 from .ops.combine import Combine
 from .ops.rank import Rank
 
-__all__ = ["TorchCombine", "TorchRank", "combine"]
+__all__ = ["TorchCombine", "TorchGemmFp8Send", "TorchRank", "combine", "gemm_fp8", "gemm_fp8_send", "quant_fp8"]
 
 _objects: dict[int, object] = {}      # op handle -> TorchCombine / TorchRank
 _handles = itertools.count(1)
@@ -282,3 +282,123 @@ class TorchRank(_Base):
 
     def counts_view(self):
         return self._inner.counts_view()
+
+
+# ---------------------------------------------------------------- the FP8 down-projection
+# torch.ops.p3send.quant_fp8 / gemm_fp8 / gemm_fp8_send: the quantiser and the FP8 grouped
+# GEMM (ops.quant, ops.gemm_fp8) on torch's current stream, with fake implementations.
+
+_fp8_launchers: dict = {}     # (kind, device index, n_experts) -> QuantFp8 / GroupedGemmFp8Send
+
+
+def _fp8_launcher(kind: str, index: int, n_experts: int = 0):
+    from .ops.gemm_fp8 import GroupedGemmFp8Send
+    from .ops.quant import QuantFp8
+    key = (kind, index, n_experts)
+    obj = _fp8_launchers.get(key)
+    if obj is None:
+        dev = driver.device(index)
+        obj = _fp8_launchers[key] = QuantFp8(dev) if kind == "quant" else GroupedGemmFp8Send(n_experts, device=dev)
+    return obj
+
+
+def _fp8_scales_view(sa: torch.Tensor, rows: int) -> torch.Tensor:
+    """The (rows, K/128) MN-major view of scales given as quant_fp8 returns them (K/128, m_pad)."""
+    return sa.t()[:rows] if sa.dim() == 2 and sa.is_contiguous() and sa.shape[1] == -(-rows // 4) * 4 else sa
+
+
+@torch.library.custom_op("p3send::quant_fp8", mutates_args=())
+def quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepGEMM's per-token quantiser (``p3_quant_fp8``): x bf16 (rows, K), K a multiple of
+    128 -> (q float8_e4m3fn (rows, K), scales float32 (K/128, m_pad), m_pad = rows rounded
+    up to 4). ``scales.t()[:rows]`` is the (rows, K/128) TMA-aligned MN-major view that
+    DeepGEMM and ``gemm_fp8`` take (``gemm_fp8`` takes either form)."""
+    from .ops.quant import scale_layout
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cuda:
+        raise ConfigError([f"x: expected a bf16 (rows, K) CUDA tensor, got {tuple(x.shape)} {x.dtype} on "
+                           f"{x.device}"], "p3send::quant_fp8")
+    lay = scale_layout(x.shape[0], x.shape[1])
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((lay.kb, lay.m_pad), dtype=torch.float32, device=x.device)
+    qz = _fp8_launcher("quant", x.device.index if x.device.index is not None else torch.cuda.current_device())
+    qz(x, q, s.t()[: x.shape[0]], stream=driver.as_stream(torch.cuda.current_stream(x.device)))
+    return q, s
+
+
+@quant_fp8.register_fake
+def _quant_fp8_fake(x):
+    rows, k = x.shape
+    return (x.new_empty((rows, k), dtype=torch.float8_e4m3fn),
+            x.new_empty((-(-k // 128), -(-rows // 4) * 4), dtype=torch.float32))
+
+
+def _gemm_fp8_run(cfg, a, sa, b, sb, expert_offsets, c, bm, **send):
+    g = _fp8_launcher("gemm", a.device.index if a.device.index is not None else torch.cuda.current_device(),
+                      b.shape[0])
+    g(cfg, a, _fp8_scales_view(sa, a.shape[0]), b, sb, expert_offsets, c, bm=bm if bm > 0 else None,
+      stream=driver.as_stream(torch.cuda.current_stream(a.device)), **send)
+
+
+@torch.library.custom_op("p3send::gemm_fp8", mutates_args=())
+def gemm_fp8(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, expert_offsets: torch.Tensor,
+             bm: int = 0) -> torch.Tensor:
+    """The FP8 block-scaled grouped GEMM with the send off (``p3_gemm_fp8_send`` writing C):
+    a float8_e4m3fn (rows, K), sa float32 scales (quant_fp8's (K/128, m_pad), or the (rows,
+    K/128) MN-major view), b float8_e4m3fn (E, N, K), sb float32 (E, N/128, K/128),
+    expert_offsets int32 (E+1,) on the GPU (any expert starts: the device offsets are not
+    read on the host); bm 128 or 64 rows per tile (0: 128). Returns C bf16 (rows, N)."""
+    from .abi.config import P3PeerSendConfig
+    c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+    _gemm_fp8_run(P3PeerSendConfig.disabled(), a, sa, b, sb, expert_offsets, c, bm, expert_align=1)
+    return c
+
+
+@gemm_fp8.register_fake
+def _gemm_fp8_fake(a, sa, b, sb, expert_offsets, bm=0):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+
+
+class TorchGemmFp8Send:
+    """The FP8 GEMM with the send in its epilogue, for one sender: ``cfg`` (a
+    P3PeerSendConfig with the receive buffers, range table and src_info; msg_bytes = 2N),
+    ``count_ptrs`` (the receivers' counts), as ``GroupedGemmFp8Send.prepare``. Call it (or
+    ``torch.ops.p3send.gemm_fp8_send(handle, ...)``) with the tensors of ``gemm_fp8``: every
+    row goes to its owner exactly as p3_scatter_send sends that C; nothing is returned and C
+    is never written. The op mutates no tensor torch knows of (the receive buffers are
+    p3send's): under torch.compile keep it outside the compiled region."""
+
+    def __init__(self, n_experts: int, cfg, *, count_ptrs=None, row_cache: bool = False, same_gpu: bool = False,
+                 p3_control: int = 0, device=None):
+        from .ops.gemm_fp8 import GroupedGemmFp8Send
+        self.ordinal = _ordinal(device)
+        self.gemm = GroupedGemmFp8Send(n_experts, device=driver.device(self.ordinal))
+        self.cfg, self.send = cfg, dict(count_ptrs=count_ptrs, row_cache=row_cache, same_gpu=same_gpu,
+                                        p3_control=p3_control)
+        self.handle = next(_handles)
+        _objects[self.handle] = self
+
+    def __call__(self, a, sa, b, sb, expert_offsets, bm: int = 0) -> None:
+        gemm_fp8_send(self.handle, a, sa, b, sb, expert_offsets, bm)
+
+    def _run(self, a, sa, b, sb, expert_offsets, bm):
+        self.gemm(self.cfg, a, _fp8_scales_view(sa, a.shape[0]), b, sb, expert_offsets, bm=bm if bm > 0 else None,
+                  expert_align=1, stream=driver.as_stream(torch.cuda.current_stream(a.device)), **self.send)
+
+    def close(self) -> None:
+        _objects.pop(self.handle, None)
+        self.gemm.close()
+
+
+@torch.library.custom_op("p3send::gemm_fp8_send", mutates_args=())
+def gemm_fp8_send(handle: int, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                  expert_offsets: torch.Tensor, bm: int = 0) -> None:
+    """The fused GEMM + send of the ``TorchGemmFp8Send`` registered as ``handle``."""
+    obj = _objects.get(handle)
+    if not isinstance(obj, TorchGemmFp8Send):
+        raise ConfigError([f"handle: no open TorchGemmFp8Send has handle {handle}"], "p3send::gemm_fp8_send")
+    obj._run(a, sa, b, sb, expert_offsets, bm)
+
+
+@gemm_fp8_send.register_fake
+def _gemm_fp8_send_fake(handle, a, sa, b, sb, expert_offsets, bm=0):
+    return None

@@ -209,6 +209,21 @@ extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3Se
 /* The kernels' launch contracts (parameter tables, launch shapes, buffers) are in
  * docs/KERNELS.md. */
 
+/* The FP8 down-projection (DeepSeek-V3's recipe; DeepGEMM's SM90 layouts):
+ * p3_quant_fp8 (ptx/p3_quant_fp8.ptx): block (P3_QUANT_FP8_THREADS, 1, 1), grid
+ *   ceil(rows * k_dim / 8 / P3_QUANT_FP8_THREADS); bf16 x -> e4m3 q + float32 scales.
+ * p3_gemm_fp8_send (ptx/p3_gemm_fp8_send.ptx, sm_90a): block (P3_GEMM_FP8_THREADS, 1, 1),
+ *   P3_GEMM_FP8_SMEM bytes of dynamic shared memory, grid 1..SMs; n_cols and k_dim multiples
+ *   of P3_FP8_BLOCK.
+ * Activation scales, one per (row, P3_FP8_BLOCK columns), are MN-major: (row, kb) at float
+ * kb * P3_FP8_SCALE_ROWS(rows) + row (columns 16-byte aligned for the tensor map). Weight
+ * scales: float32 (E, N/P3_FP8_BLOCK, K/P3_FP8_BLOCK), contiguous. */
+#define P3_FP8_BLOCK 128
+#define P3_FP8_SCALE_ROWS(rows) ((((rows) + 3) / 4) * 4)
+#define P3_QUANT_FP8_THREADS 256
+#define P3_GEMM_FP8_THREADS 384
+#define P3_GEMM_FP8_SMEM 202612
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

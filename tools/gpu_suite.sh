@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tier in one command: PTX check, GPU tests, compute-sanitizer (memcheck and
-# racecheck over tests/gpu/sanitize.py), the main job, the benchmarks and the SASS of every kernel. Writes its logs
+# racecheck over tests/gpu/sanitize.py and sanitize_fp8.py), the main job, the benchmarks and the SASS of every kernel. Writes its logs
 # to LOGDIR (suite.log, bench.json, sass.txt) and prints a summary at the end.
 #
 #   tools/gpu_suite.sh LOGDIR [stage ...]     stages: ptx tests multi sanitize demo bench sass
@@ -38,6 +38,8 @@ want tests && stage tests $PY -m pytest ${P3_TESTS:-tests/gpu} -q -rs -p no:cach
 if want sanitize; then
   stage memcheck compute-sanitizer --tool memcheck --error-exitcode 99 $PY -m tests.gpu.sanitize
   stage racecheck compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY -m tests.gpu.sanitize
+  stage memcheck_fp8 compute-sanitizer --tool memcheck --error-exitcode 99 $PY -m tests.gpu.sanitize_fp8
+  stage racecheck_fp8 compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY -m tests.gpu.sanitize_fp8
 fi
 want multi && stage multi $PY -m pytest tests/multi_gpu -q -rs -p no:cacheprovider --timeout=900
 want demo && stage demo $PY -m p3send demo

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..abi.errors import ConfigError
 from ..cuda import driver
-from . import decode, epilogue, gemm, latency, send, two_gpu
+from . import decode, dispatch, epilogue, gemm, gemm_fp8, latency, send, two_gpu
 from .data import torch_or_none
 
 
@@ -33,6 +33,9 @@ REGISTRY = (
     Section("epilogue", epilogue.run, epilogue.table),
     Section("two_gpu", two_gpu.run, two_gpu.table),
     Section("gemm", gemm.run, gemm.table),
+    Section("gemm_fp8", gemm_fp8.run, gemm_fp8.table),
+    Section("dispatch", dispatch.run, dispatch.table),
+    Section("layer", dispatch.run_layer, dispatch.table_layer),
 )
 
 #: Every section's name, in order: the --only choices.

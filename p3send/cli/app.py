@@ -1,47 +1,45 @@
-"""``p3send`` command line. Each subcommand imports only what it needs, so
-``layout``/``conform``/``check-ptx`` never touch CUDA."""
+"""``p3send`` command line: the parser, and one line on stderr with exit status 2 for any
+``P3SendError``. Each subcommand imports only what it needs, so ``layout``/``conform``/
+``check-ptx`` never touch CUDA."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .. import __version__
 from ..abi.errors import P3SendError
 
+DESCRIPTION = ("p3send: the expert-parallel MoE combine as an in-epilogue peer scatter-send, "
+               "hand-written PTX driven from Python.")
 
-def check_output_path(path: str, option: str) -> None:
-    """Refuse, before any work, an output file that cannot be written: its folder must
-    exist and be writable, and it must not be a folder. One line naming ``option``."""
-    import os
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise P3SendError(f"{option} {path}: the folder {folder} does not exist")
-    if os.path.isdir(path):
-        raise P3SendError(f"{option} {path}: is a folder; give a file name")
-    if not os.access(folder, os.W_OK):
-        raise P3SendError(f"{option} {path}: the folder {folder} is not writable")
+EPILOG = """examples:
+  p3send layout --format c            the P3PeerSendConfig ABI as a C declaration
+  p3send conform my_config.h          check a foreign declaration against the ABI
+  p3send check-ptx                    lint and assemble the shipped PTX (CPU only)
+  p3send demo                         one verified combine round (the oracle without a GPU)
+  p3send bench                        benchmarks against the copy ceiling and the alternatives
+  p3send trace --out round            a round's stamps as a Chrome trace and a PNG
+
+'p3send COMMAND --help' lists a command's options."""
 
 
 def _cmd_layout(args) -> int:
-    from .conform import render
+    from ..conform import render
     sys.stdout.write(render(args.format))
     return 0
 
 
 def _cmd_conform(args) -> int:
-    from .conform import check_path
-    problems = check_path(args.path, struct=args.struct, kind=args.kind)
-    if problems:
-        print(f"{args.path}: {args.struct} does NOT conform to the P3PeerSendConfig ABI "
-              f"({len(problems)} problem(s)):")
-        for p in problems:
-            print(f"  - {p}")
-        return 1
-    print(f"{args.path}: {args.struct} conforms to the P3PeerSendConfig ABI (184 bytes, align 8, 16 fields)")
-    return 0
+    from ..conform import CompilerOptions, check
+    options = CompilerOptions(tuple(args.macros or ()), tuple(args.include_dirs or ()), args.cudacc,
+                              args.cuda_include)
+    report = check(args.path, struct=args.struct, kind=args.kind, options=options)
+    sys.stdout.write(report.text())
+    return report.status
 
 
 def _cmd_check_ptx(args) -> int:
-    from .ptxcheck import main as check_main
+    from .check_ptx import main as check_main
     return check_main(args)
 
 
@@ -61,8 +59,10 @@ def _cmd_trace(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="p3send", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="p3send", description=DESCRIPTION, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"p3send {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
 
     p = sub.add_parser("layout", help="print the P3PeerSendConfig layout")
     p.add_argument("--format", choices=["table", "json", "c", "mojo", "numpy"], default="table")
@@ -73,12 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--struct", default="P3PeerSendConfig", help="struct name in the file")
     p.add_argument("--kind", choices=["auto", "c", "mojo", "json"], default="auto",
                    help="how to read PATH (auto: by extension)")
+    p.add_argument("-D", dest="macros", action="append", type=lambda v: f"-D{v}", metavar="NAME[=VALUE]",
+                   help="C/C++: define a macro, as for the compiler (with -U, applied in order)")
+    p.add_argument("-U", dest="macros", action="append", type=lambda v: f"-U{v}", metavar="NAME",
+                   help="C/C++: undefine a macro")
+    p.add_argument("-I", dest="include_dirs", action="append", metavar="DIR",
+                   help="C/C++: search DIR for #include files (before the CUDA headers)")
+    p.add_argument("--cudacc", choices=["both", "with", "without"], default="both",
+                   help="C/C++: check with and/or without __CUDACC__ defined, as nvcc and a host "
+                        "compiler see the header (default: both)")
+    p.add_argument("--cuda-include", default="auto", metavar="auto|none|DIR",
+                   help="C/C++: the CUDA headers (default auto: $CUDA_HOME, nvcc's toolkit, "
+                        "/usr/local/cuda, the nvidia-cuda-* wheels)")
     p.set_defaults(func=_cmd_conform)
 
-    p = sub.add_parser("check-ptx", help="assemble PTX for sm_90 and sm_100 and report resources")
-    p.add_argument("files", nargs="*", help="PTX files (default: the shipped ptx/*.ptx)")
-    p.add_argument("--arch", action="append", help="target(s), default sm_90 and sm_100")
-    p.add_argument("--no-ptxas", action="store_true", help="skip the system ptxas even if present")
+    p = sub.add_parser("check-ptx", help="lint PTX and assemble it for sm_90 and sm_100, report resources")
+    from .check_ptx import add_arguments as check_ptx_args
+    check_ptx_args(p)
     p.set_defaults(func=_cmd_check_ptx)
 
     p = sub.add_parser("demo", help="run a verified EP combine round (the main job)")

@@ -17,6 +17,10 @@ def add_arguments(p) -> None:
     add_world_arguments(p, tokens=512)
     p.add_argument("--rounds", type=int, default=20, help="timed graph replays, default 20")
     p.add_argument("--procs", action="store_true", help="one process per rank (CUDA IPC)")
+    p.add_argument("--layer", choices=["deepseek", "softmax", "none"], default="deepseek",
+                   help="after the round, a whole MoE layer (router, dispatch, expert GEMMs, the combine "
+                        "from the down-projection's epilogue) with this router, captured and replayed with new "
+                        "tokens, every replay checked against a torch reference (needs torch); default deepseek")
 
 
 def main(args) -> int:
@@ -54,7 +58,29 @@ def main(args) -> int:
     print(f"  round: {us:.1f} us median of {len(times)} ({rows} rows sent, {moved / 1e6:.1f} MB moved r+w)")
     print(f"  effective bandwidth {moved / us / 1e6:.2f} TB/s vs device copy {copy_tbps:.2f} TB/s "
           f"(read+write counted) = {moved / us / 1e6 / copy_tbps:.0%} of copy")
-    return 0
+    return _layer(args, seed) if args.layer != "none" else 0
+
+
+#: The layer's shape in the demo (small experts: the point is the whole path, verified).
+LAYER_HIDDEN, LAYER_INTER, LAYER_EXPERTS_PER_RANK = 1024, 512, 8
+
+
+def _layer(args, seed) -> int:
+    try:
+        from .. import moe
+    except ImportError as e:
+        print(f"  SKIPPED: the MoE layer ({e})")
+        return 0
+    n_experts = args.ranks * LAYER_EXPERTS_PER_RANK
+    print(f"  MoE layer: {args.ranks} ranks x 128 tokens, {args.layer} router, top-{args.top_k} of {n_experts} "
+          f"experts, hidden {LAYER_HIDDEN}, intermediate {LAYER_INTER}, seed {seed}")
+    with progress("capturing the layer and checking 20 replays with new tokens"):
+        res = moe.demo(n_ranks=args.ranks, tokens=128, hidden=LAYER_HIDDEN, inter=LAYER_INTER, n_experts=n_experts,
+                       top_k=args.top_k, router=args.layer, replays=20, seed=seed)
+    verdict = "verified" if res["ok"] else "NOT VERIFIED"
+    print(f"  layer {verdict}: {res['replays']} graph replays, largest relative error {res['max_rel_error']:.2e} "
+          f"(bound {res['bound']:g}, an fp32 torch reference of the same layer); {res['step_us']:.1f} us a step")
+    return 0 if res["ok"] else 1
 
 
 def _cpu_only(args, seed, why) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 from ..abi.config import P3_MAX_RANKS
 from ..abi.errors import ConfigError
 from ..abi.layout import SENTINEL, encode_range_table
+from . import dispatch as dispatch_ref
 from .reference import f32_to_bf16
 
 #: Vectors per lane per batch in p3_scatter_send (6 x 32 lanes x 16 B): msg_bytes around
@@ -138,15 +139,16 @@ def send_case(family: str = "random", seed: int | None = None) -> SendCase:
         r0, extra, stride_pad = int(rng.integers(1, 50)), int(rng.integers(1, 20)), 16 * int(rng.integers(1, 4))
         notes = "C has rows before/after the experts and a padded row stride"
     rows = int(rows_per_expert.sum())
-    off = np.concatenate([[0], np.cumsum(rows_per_expert)]) + r0
     counts = np.stack([_split(rng, int(n), n_ranks, rank_skew) for n in rows_per_expert]) \
         if n_exp else np.zeros((0, n_ranks), np.int64)
-    ready = True
+    # the dispatch's layout of these counts (the reference), from row r0 of C
+    off, lo, hi, _ = dispatch_ref.layout(counts, capacity=rows, row0=r0)
+    table = dispatch_ref.range_table_of(lo, hi)
     if family == "unrouted":
-        # holes: each rank's count is shortened, so trailing rows of each expert belong to nobody
+        # perturbation, holes: each rank's count is shortened, so trailing rows of each expert belong to nobody
         counts = np.maximum(counts - rng.integers(0, 4, counts.shape), 0)
         notes = "range table leaves holes"
-    table = encode_range_table(off, counts, ready=ready)
+        table = encode_range_table(off, counts)
     if family == "unrouted" and n_exp > 1:
         e = int(rng.integers(n_exp))
         t = table.reshape(n_exp, n_ranks, 2)
@@ -351,21 +353,13 @@ def world_case(n_ranks=4, tokens=64, top_k=4, n_local=4, hidden=256, seed=None, 
             idx[rng.random(idx.shape) < masked] = -1
         w = rng.random((tokens, top_k)).astype(np.float32)
         ranks.append(RankData(idx.astype(np.int32), w))
-    # Every routed slot (s, t, k) in that order, stably sorted by its global expert: rows
-    # of one expert come by source rank, then token, then k.
-    g = np.stack([r.topk_idx for r in ranks]).reshape(-1).astype(np.int64)
-    slot = np.nonzero(g >= 0)[0]
-    slot = slot[np.argsort(g[slot], kind="stable")]
-    g = g[slot]
-    src = np.stack([slot // (tokens * top_k), slot // top_k % tokens, slot % top_k], axis=1)
-    bounds = np.searchsorted(g // n_local, np.arange(n_ranks + 1))
+    # The dispatch of these tokens (the reference): each owner's rows grouped by local
+    # expert, then by source rank, then token (then k).
+    plan = dispatch_ref.plan([r.topk_idx for r in ranks], n_local)
     for o, r in enumerate(ranks):
-        rs, ge = src[bounds[o]:bounds[o + 1]], g[bounds[o]:bounds[o + 1]] % n_local
-        counts = np.bincount(ge * n_ranks + rs[:, 0], minlength=n_local * n_ranks).reshape(n_local, n_ranks)
-        off = np.concatenate([[0], np.cumsum(counts.sum(axis=1))]).astype(np.int32)
-        r.row_src, r.expert_offsets = rs, off
-        r.range_table = encode_range_table(off, counts)
-        r.src_info = rs[:, 1:].astype(np.int32).reshape(-1, 2)
+        dest = plan.dest[o]
+        r.row_src, r.expert_offsets, r.range_table = dest.row_src, dest.expert_offsets, dest.range_table
+        r.src_info = dest.src_info
     for o, r in enumerate(ranks):
         shape = (len(r.row_src), hidden)
         r.c = random_bf16(np.random.default_rng([seed, o]), shape) if fill else np.zeros(shape, np.uint16)
@@ -457,3 +451,257 @@ def check_world(world: World, recv_of, out_of, guard: int = 0, recv_bytes: int |
                             f"first (token {t}, element {h}): got {float(ref.bf16_to_f32(out[t, h])):.6g}, "
                             f"want {ref64[t, h]:.6g}")
     return problems
+
+
+
+# ---------------------------------------------------------------- dispatch steps
+
+@dataclass
+class DispatchCase:
+    """One dispatch step of every rank: topk_idx (int32 or int64 (T_s, top_k)), the token
+    rows ``x`` (bf16 bits uint16 (T_s, hidden), or e4m3 bytes uint8 (T_s, hidden) with fp32
+    ``scales`` (T_s, hidden/128)), router ``weights`` f32 (T_s, top_k), the layout options and
+    the reference ``plan`` (``p3send.oracle.dispatch``) of what every rank's dispatch writes."""
+    name: str
+    seed: int
+    n_ranks: int
+    n_local: int
+    top_k: int
+    hidden: int
+    payload: str
+    align: int
+    expert_stride: int
+    capacity: int
+    zero_padding: bool
+    topk: list
+    x: list
+    scales: list
+    weights: list
+    plan: object = None
+    notes: str = ""
+    gen: dict = field(default_factory=dict)     # random_topk's options, for dispatch_redraw
+
+    @property
+    def max_tokens(self) -> int:
+        return max([t.shape[0] for t in self.topk] + [1])
+
+    @property
+    def x_bytes(self) -> int:
+        return 2 * self.hidden if self.payload == "bf16" else self.hidden
+
+    @property
+    def s_bytes(self) -> int:
+        return 0 if self.payload == "bf16" else 4 * (self.hidden // 128)
+
+    def rows(self, s: int) -> np.ndarray:
+        """Rank s's token rows as bytes, uint8 (T_s, x_bytes)."""
+        return np.ascontiguousarray(self.x[s]).view(np.uint8).reshape(self.x[s].shape[0], self.x_bytes)
+
+    def scale_rows(self, s: int) -> np.ndarray:
+        """Rank s's scale rows as bytes, uint8 (T_s, s_bytes)."""
+        return np.ascontiguousarray(self.scales[s]).view(np.uint8).reshape(self.scales[s].shape[0], self.s_bytes)
+
+    def __str__(self):
+        toks = [t.shape[0] for t in self.topk]
+        return (f"dispatch/{self.name}[seed={self.seed}: {self.n_ranks} ranks x {toks} tokens, top_k={self.top_k}, "
+                f"{self.n_local} experts/rank, hidden={self.hidden} {self.payload}, align={self.align} "
+                f"stride={self.expert_stride} capacity={self.capacity} zero={self.zero_padding}"
+                f"{' ' + self.notes if self.notes else ''}]")
+
+
+DISPATCH_FAMILIES = ("random", "one_token", "no_tokens", "uneven", "masked", "all_masked", "empty_experts",
+                     "skewed", "errors", "int64", "aligned", "masked_layout", "masked_layout_zero", "overflow",
+                     "overflow_aligned", "overflow_masked", "top1", "fp8", "dsv3", "dsv3_fp8")
+
+
+def random_topk(rng: np.random.Generator, n_ranks: int, tokens, top_k: int, n_local: int, *, masked=0.0,
+                bad=0.0, dup=0.0, int64=False, p=None) -> list:
+    """Per rank, topk_idx (T_s, top_k) of distinct experts drawn with probabilities ``p``
+    (default uniform), then perturbed: a ``masked`` fraction of slots -1, a ``bad``
+    fraction out of range (below -1 or >= the expert count; beyond int32 with ``int64``),
+    and a ``dup`` fraction of tokens whose last choice repeats their first. ``tokens``: a
+    count, or (lo, hi) drawn per rank. int32 arrays unless ``int64``."""
+    E = n_ranks * n_local
+    p = np.full(E, 1.0 / E) if p is None else np.asarray(p, np.float64) / np.sum(p)
+    out = []
+    for _ in range(n_ranks):
+        n = int(tokens) if np.isscalar(tokens) else int(rng.integers(tokens[0], tokens[1] + 1))
+        g = choose_experts(rng, p, n, top_k)
+        u = rng.random(g.shape)
+        g[u < masked] = -1
+        sel = (u >= masked) & (u < masked + bad)
+        g[sel] = rng.choice([-2, -7, E, E + 5, (1 << 40) if int64 else (1 << 30)], size=int(sel.sum()))
+        if top_k > 1 and n:
+            d = rng.random(n) < dup
+            g[d, top_k - 1] = g[d, 0]
+        out.append(g if int64 else g.astype(np.int32))
+    return out
+
+
+def dispatch_case(family: str = "random", seed: int | None = None, *, n_ranks: int | None = None,
+                  tokens: int | None = None) -> DispatchCase:
+    """One dispatch step of the given family (see DISPATCH_FAMILIES), from ``seed``, with
+    its reference plan. Tokens: ``random_bf16`` rows (never zero); e4m3 rows random bytes.
+    ``n_ranks``: this many ranks instead of a drawn count (the families that fix their own,
+    uneven, empty_experts, skewed and dsv3*, may change it); ``tokens``: this many tokens on
+    every rank instead of the family's count."""
+    if family not in DISPATCH_FAMILIES:
+        raise ConfigError(f"family: expected one of {', '.join(DISPATCH_FAMILIES)}, got {family!r}", "dispatch case")
+    seed = int(np.random.SeedSequence().entropy % (1 << 32)) if seed is None else int(seed)
+    rng = np.random.default_rng([seed, 29])
+    n_tokens = tokens
+    R = int(rng.integers(1, P3_MAX_RANKS + 1))
+    R = R if n_ranks is None else int(n_ranks)
+    L = int(rng.integers(1, 7))
+    K = int(rng.integers(1, min(8, R * L) + 1))
+    tokens = (1, 60)
+    hidden, payload, align, stride, frac, zero = 8 * int(rng.integers(1, 65)), "bf16", 1, 0, None, None
+    kw, notes = {}, ""
+    if family == "one_token":
+        tokens = 1
+    elif family == "no_tokens":
+        tokens = 0
+    elif family == "uneven":
+        R, tokens = max(R, 3), (0, 60)
+    elif family == "masked":
+        kw["masked"] = 0.4
+    elif family == "all_masked":
+        kw["masked"] = 1.0
+    elif family == "empty_experts":
+        R, L = max(R, 2), max(L, 4)
+        K = min(K, R * L // 2)
+        p = np.ones(R * L)
+        p[rng.permutation(R * L)[: R * L // 2]] = 0.0
+        kw["p"], notes = p, "half the experts get no token"
+    elif family == "skewed":
+        R, L, K = 8, 4, 8
+        p = np.ones(R * L)
+        p[:3] = 60.0
+        kw["p"] = p
+    elif family == "errors":
+        K = max(K, 2) if R * L >= 2 else K
+        kw.update(bad=0.05, dup=0.25)
+    elif family == "int64":
+        K = max(K, 2) if R * L >= 2 else K
+        kw.update(bad=0.05, dup=0.2, int64=True)
+    elif family == "aligned":
+        align = int(rng.choice([2, 16, 128]))
+    elif family in ("masked_layout", "masked_layout_zero"):
+        stride, zero = -1, family.endswith("zero")      # a block just larger than the fullest expert (below)
+    elif family == "overflow":
+        frac = 0.3
+    elif family == "overflow_aligned":
+        align, frac = 8, 0.3
+    elif family == "overflow_masked":
+        stride = -2                                      # half the fullest expert (below)
+    elif family == "top1":
+        K = 1
+    elif family == "fp8":
+        payload, hidden = "fp8", 512 * int(rng.integers(1, 3))
+    elif family in ("dsv3", "dsv3_fp8"):
+        R, L, K, tokens, hidden = 8, 32, 8, 16, 7168
+        if family == "dsv3_fp8":
+            payload, align = "fp8", 128
+    topk = random_topk(rng, R, tokens if n_tokens is None else n_tokens, K, L, **kw)
+    T = max([t.shape[0] for t in topk] + [1])
+    if family == "int64":
+        _beyond_int32(rng, topk, R * L)
+        notes = "int64 ids, some beyond int32"
+    if stride < 0:
+        full = int(dispatch_ref.plan(topk, L).counts.sum(axis=0).max(initial=0))
+        stride = full + int(rng.integers(1, 20)) if stride == -1 else max(1, full // 2)
+    cap = dispatch_ref.default_capacity(R, T, K, L, align=align, expert_stride=stride)
+    if frac:
+        cap = max(1, int(cap * frac * K / min(K, L) / R))
+    zero = align > 1 if zero is None else zero
+    case = DispatchCase(family, seed, R, L, K, hidden, payload, align, stride, cap, bool(zero), topk, [], [], [],
+                        notes=notes, gen=kw)
+    return _dispatch_fill(case, rng)
+
+
+def _beyond_int32(rng, topk, n_experts):
+    """One slot per rank set to an id that an int32 truncation would turn into a valid expert."""
+    for t in topk:
+        if t.size:
+            t[int(rng.integers(t.shape[0])), int(rng.integers(t.shape[1]))] = (1 << 32) + int(rng.integers(n_experts))
+
+
+def _dispatch_fill(case: DispatchCase, rng) -> DispatchCase:
+    """The tokens, weights and plan of a case whose topk is drawn."""
+    h, topk = case.hidden, case.topk
+    if case.payload == "bf16":
+        case.x = [random_bf16(rng, (t.shape[0], h)) for t in topk]
+        case.scales = [None] * case.n_ranks
+    else:
+        case.x = [rng.integers(1, 256, (t.shape[0], h), dtype=np.uint8) for t in topk]
+        case.scales = [rng.random((t.shape[0], h // 128), dtype=np.float32) + np.float32(0.5) for t in topk]
+    case.weights = [rng.random(t.shape, dtype=np.float32) for t in topk]
+    case.plan = dispatch_ref.plan(topk, case.n_local, capacity=case.capacity, align=case.align,
+                                  expert_stride=case.expert_stride)
+    return case
+
+
+def dispatch_redraw(case: DispatchCase, seed: int) -> DispatchCase:
+    """The next step of ``case``: the same shape, layout, capacity and token count per rank,
+    new routing (drawn as ``case`` was) and new tokens, from ``seed``."""
+    rng = np.random.default_rng([seed, 31])
+    kw = dict(case.gen)
+    topk = []
+    for t in case.topk:
+        one = random_topk(rng, case.n_ranks, t.shape[0], case.top_k, case.n_local, **kw)[0]
+        topk.append(one.astype(t.dtype))
+    if case.name == "int64":
+        _beyond_int32(rng, topk, case.n_ranks * case.n_local)
+    nxt = DispatchCase(case.name, seed, case.n_ranks, case.n_local, case.top_k, case.hidden, case.payload, case.align,
+                       case.expert_stride, case.capacity, case.zero_padding, topk, [], [], [], notes=case.notes,
+                       gen=kw)
+    return _dispatch_fill(nxt, rng)
+
+
+def dispatch_world(case: DispatchCase) -> World:
+    """The combine round that follows ``case``'s dispatch when every expert is the identity
+    (C = the dispatched rows, bf16 only): each owner's C rows, routing and row_src from the
+    plan, each source's checked topk_idx (the kept and stored copies) and weights, so
+    ``check_world`` gives the combine's expected bytes and reduce."""
+    if case.payload != "bf16":
+        raise ConfigError(f"payload: the identity round needs bf16 rows, got {case.payload}", "dispatch world")
+    plan, ranks = case.plan, []
+    for r in range(case.n_ranks):
+        dest = plan.dest[r]
+        rows = int(dest.expert_offsets[-1])
+        c = np.zeros((rows, case.hidden), np.uint16)
+        data = dest.data_rows
+        for s in range(case.n_ranks):
+            m = data[dest.row_src[data, 0] == s]
+            c[m] = case.x[s][dest.row_src[m, 1]]
+        ranks.append(RankData(plan.src[r].topk_idx, case.weights[r], c, dest.expert_offsets, dest.range_table,
+                              dest.src_info, dest.row_src))
+    return World(case.seed, case.n_ranks, case.max_tokens, case.top_k, case.n_local, case.hidden, ranks)
+
+
+# --- bench routing
+
+def prefill_routing(tokens: int, ranks: int, top_k: int, experts: int, rng: np.random.Generator):
+    """One sender's rows at the prefill shape (the benchmark's routing): tokens*top_k rows
+    (the average a rank owns) grouped by local expert, each row owned by a random rank,
+    unique (token, k) slots per rank.
+
+    Returns:
+        expert_offsets (experts + 1,) int32; range_table (experts * ranks * 2,) int32 as
+        ``encode_range_table`` lays it out; src_info (rows, 2) int32 (token, k); dst_rank
+        (rows,) int64, the owning rank of each row.
+    """
+    rows = tokens * top_k
+    rank_of_row = rng.integers(0, ranks, rows)
+    expert_of_row = rng.integers(0, experts, rows)
+    order = np.lexsort((rank_of_row, expert_of_row))        # by expert, then rank
+    rank_of_row, expert_of_row = rank_of_row[order], expert_of_row[order]
+    counts = np.zeros((experts, ranks), np.int64)
+    np.add.at(counts, (expert_of_row, rank_of_row), 1)
+    off, lo, hi, _ = dispatch_ref.layout(counts, capacity=rows)   # the dispatch's layout (the reference)
+    src = np.empty((rows, 2), np.int32)
+    for rk in range(ranks):
+        mine = np.nonzero(rank_of_row == rk)[0]
+        slots = rng.permutation(tokens * top_k)[: len(mine)]
+        src[mine, 0], src[mine, 1] = slots // top_k, slots % top_k
+    return off.astype(np.int32), dispatch_ref.range_table_of(lo, hi), src, rank_of_row

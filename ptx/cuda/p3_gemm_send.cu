@@ -86,6 +86,7 @@
 // ---- end ptx/p3_gemm_send.ptx header ----
 #include <stdint.h>
 #include <cuda_bf16.h>
+#include "p3_gemm_common.cuh"
 #include "../p3send.h"
 
 #define P3G_BN 256
@@ -104,58 +105,7 @@
 #define P3G_OFF_MPRE (P3G_OFF_ACCT + P3G_SEND_WARPS * 48)
 #define P3G_SMEM (P3G_OFF_MPRE + 4 * (P3G_MAX_EXPERTS + 1))      // 215764 (sm_90 opt-in: 232448)
 
-struct __align__(64) TmaMap { uint64_t w[16]; };                // a CUtensorMap (128 bytes)
-
 extern __shared__ __align__(1024) uint8_t smem[];               // the layout: P3G_OFF_*
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
-{
-    asm volatile("{\n.reg .pred p;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
-}
-
-__device__ __forceinline__ void tma_load(uint32_t dst, const TmaMap *map, uint32_t bar, int c0, int c1)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3}], [%4];"
-                 :: "r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr)
-{
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
-           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait()
-{
-    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
-}
-template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R])
-{
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-        asm volatile("" : "+f"(d[i]) :: "memory");
-}
 
 // D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, both from shared memory, K-major, 128-byte swizzle.
 __device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t da, uint64_t db, int scale_d)
@@ -191,32 +141,9 @@ template <> __device__ __forceinline__ void wgmma_k16<128>(float (&d)[64], uint6
     wgmma_128(d, da, db, sd);
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
-{
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-}
-
-struct Tile {
-    int e, m0, rows, n0;
-};
-
-// Tile t: m-tile mg = t / n_tiles (mpre[e] m-tiles precede expert e), n-tile t % n_tiles.
 __device__ __forceinline__ Tile tile_at(int t, int n_tiles, int n_experts, const int *mpre, const int *offs, int bm)
 {
-    const int mg = t / n_tiles;
-    int lo = 0, hi = n_experts;                 // the last expert with mpre[e] <= mg (it has rows)
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (mpre[mid] <= mg) lo = mid;
-        else hi = mid;
-    }
-    Tile T;
-    T.e = lo;
-    T.m0 = offs[lo] + (mg - mpre[lo]) * bm;
-    T.rows = min(bm, offs[lo + 1] - T.m0);
-    T.n0 = (t - mg * n_tiles) * P3G_BN;
-    return T;
+    return grouped_tile(t, n_tiles, n_experts, mpre, offs, bm, P3G_BN);
 }
 
 // A consumer warpgroup: the mainloop of every tile of this CTA, then its accumulators as

@@ -62,7 +62,7 @@ def test_numpy_dtype_layout():
 
 def test_header_compiled_by_the_c_compiler_matches(tmp_path):
     from p3send.conform import c_layout
-    layout = c_layout(HEADER)   # cffi API mode: offsets come from gcc's offsetof/sizeof
+    layout = c_layout(HEADER)   # offsets from the system compiler's offsetof/sizeof
     assert (layout.size, layout.align) == (184, 8)
     assert [(m.name, m.offset, m.size) for m in layout.members] == SPEC_TABLE
     ptr_classes = {m.cls for m in layout.members if abi.FIELD_BY_NAME[m.name].kind != "i64"}

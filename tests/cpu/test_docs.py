@@ -35,8 +35,9 @@ PROTOCOL = DOCS / "PROTOCOL.md"
 PARAM_COLUMNS = ["off", "size", "type", "name", "meaning"]
 KNOWN_ENTRIES = {"p3_abi_echo", "p3_scatter_send", "p3_recv_reduce", "p3_epilogue_send", "p3_pingpong"}
 KNOWN_FUNCS = {"p3_send_rows", "p3_send_flush"}
-#: Entries outside the protocol that take no P3PeerSendConfig (a cross-GPU clock probe).
-NO_CONFIG = {"p3_pingpong"}
+#: Entries outside the protocol that take no P3PeerSendConfig (a cross-GPU clock probe, the
+#: FP8 activation quantiser).
+NO_CONFIG = {"p3_pingpong", "p3_quant_fp8"}
 STRUCT_COLUMNS = ["off", "size", "type", "field", "meaning"]
 
 
@@ -365,7 +366,7 @@ def test_the_epilogue_send_keeps_four_ctas_per_sm():
     # p3send launches p3_epilogue_send with 3 warps (2 epilogue + 1 send) per CTA by default;
     # four of them fit an SM's 64 K registers only at <= 168 registers per thread (allocated in
     # units of 8). The inlined p3_send_rows decides most of it: a 2-row copy there took the
-    # module to 170-172 registers and the send from 374.6 to 480.8 us (docs/PERF.md, decisions).
+    # module past that budget and made the send slower (docs/PERF.md, decisions).
     # The module is assembled as the driver compiles it: whole-program, by the system ptxas.
     import inspect
     import shutil

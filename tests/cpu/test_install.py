@@ -1,7 +1,7 @@
 """A plain ``pip install <repo>`` (no extras) into a new virtual environment runs the
 README's commands: ``p3send demo`` (no GPU here: the oracle, exit 0), ``layout`` and
-``conform`` (the JSON, Mojo and C declarations ``layout`` prints; C through cffi, a run-time
-dependency). About a minute; skips when pip cannot reach a package index."""
+``conform`` (the JSON, Mojo and C declarations ``layout`` prints; C measured by the
+system C compiler). About a minute; skips when pip cannot reach a package index."""
 from __future__ import annotations
 
 import os
@@ -60,7 +60,7 @@ def test_plain_install_layout_and_conform(plain_env):
         r = run(bin_ / "p3send", "layout", "--format", fmt, env=env)
         assert r.returncode == 0 and "recv_buf_ptrs" in r.stdout, r.stderr
         (root / name).write_text(r.stdout)
-        # C/C++ is measured by the system compiler through cffi, a run-time dependency
+        # C/C++ is measured by the system C compiler (no Python package needed)
         r = run(bin_ / "p3send", "conform", str(root / name), env=env)
         assert r.returncode == 0 and "conforms" in r.stdout, (fmt, r.stdout + r.stderr)
         assert "Traceback" not in r.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "p3send"
-ORDER = ["abi", "cuda", "ops", "torch"]          # a layer may import the ones before it
+ORDER = ["abi", "cuda", "ops", "torch", "moe"]   # a layer may import the ones before it
 NOT_RUNTIME = {"oracle", "cli", "conform", "bench", "tracing"}
 
 

@@ -42,8 +42,8 @@ def test_the_recipe_parses_and_its_p3send_imports_resolve():
     except ImportError:
         have_torch = False
     for module, name in names:
-        if module == "p3send.torch" and not have_torch:
-            with pytest.raises(ImportError, match="p3send.torch needs torch"):
+        if module in ("p3send.torch", "p3send.moe") and not have_torch:
+            with pytest.raises(ImportError, match=f"{module} needs torch"):
                 importlib.import_module(module)
             continue
         assert hasattr(importlib.import_module(module), name), f"{module} has no {name}"
@@ -51,7 +51,7 @@ def test_the_recipe_parses_and_its_p3send_imports_resolve():
 
 #: Where the Python blocks of docs/EMBEDDING.md may import from: the public API, the torch
 #: adapter, and the oracle's generators for test data (a runtime has its own routing).
-PUBLIC_MODULES = {"p3send", "p3send.torch", "p3send.oracle.cases"}
+PUBLIC_MODULES = {"p3send", "p3send.torch", "p3send.moe", "p3send.oracle.cases"}
 
 
 def test_every_python_block_of_the_embedding_guide_uses_only_the_public_api():
@@ -65,4 +65,4 @@ def test_every_python_block_of_the_embedding_guide_uses_only_the_public_api():
                 if (m or "").startswith("p3send"):
                     assert m in PUBLIC_MODULES, f"docs/EMBEDDING.md imports {m}; the public API is {PUBLIC_MODULES}"
         for name in re.findall(r"\bp3send\.([A-Za-z_]\w*)", block):
-            assert name in ("torch", "oracle") or hasattr(__import__("p3send"), name), f"p3send has no {name}"
+            assert name in ("torch", "moe", "oracle") or hasattr(__import__("p3send"), name), f"p3send has no {name}"

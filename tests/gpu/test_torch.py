@@ -1,4 +1,4 @@
-"""p3send from torch (issue 17): launches on torch's streams (and any other stream
+"""p3send from torch: launches on torch's streams (and any other stream
 object), torch tensors as buffer arguments with dtype/device/size checks, the
 ``p3send::combine`` custom op under ``torch.cuda.graph`` with routing and data that
 change between replays, a device-side gate that skips one rank's send, and one process

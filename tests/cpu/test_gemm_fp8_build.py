@@ -1,0 +1,100 @@
+"""ptx/p3_gemm_fp8_send.ptx and ptx/p3_quant_fp8.ptx on the CPU: the GEMM's PTX is the build of
+its source (tools/build_gemm_fp8.py), its header matches its declaration, the loaded (inlined)
+module assembles for sm_90a without a stack, spills or serialised wgmma, nvcc's -rdc form
+links with ptx/p3_send_rows.ptx through nvJitLink, and its measurement variant builds."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from p3send.cuda import ptxdoc, ptxlint
+
+ROOT = Path(__file__).resolve().parents[2]
+PTX = ROOT / "ptx" / "p3_gemm_fp8_send.ptx"
+ROWS = ROOT / "ptx" / "p3_send_rows.ptx"
+TOOL = ROOT / "tools" / "build_gemm_fp8.py"
+
+
+def _nvcc_13_0() -> None:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    if "release 13.0" not in subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("the shipped PTX is nvcc 13.0's (PTX ISA 9.0, loadable by driver 580); this nvcc differs")
+
+
+def test_shipped_ptx_is_the_build_of_its_source():
+    _nvcc_13_0()
+    r = subprocess.run([sys.executable, str(TOOL), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_header_target_and_lint():
+    text = PTX.read_text()
+    assert ptxdoc.ptx_target(text) == "sm_90a" and ptxdoc.ptx_version(text) <= ptxlint.MAX_PTX_VERSION
+    assert not ptxlint.file_problems(text, PTX.name) + ptxlint.lint(text, PTX.name)
+    assert sorted(ptxdoc.prototypes(text)) == ["p3_send_flush", "p3_send_rows"]
+    params = ptxdoc.parse_header(text)["p3_gemm_fp8_send"].params
+    assert [p.name for p in params] == ["cfg", "ctx", "tmaps", "sb", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"]
+    from p3send.ops import gemm_fp8
+    assert f"dynamic shared memory {gemm_fp8.SMEM} bytes" in text
+
+
+def _assemble(text: str) -> str:
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas on PATH")
+    whole = ptxdoc.module_text(text, [(ROWS.name, ROWS.read_text())])
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "m.ptx"
+        src.write_text(whole)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "m.cubin")],
+                           capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log
+    return log
+
+
+def test_inlined_module_has_no_stack_spills_or_serialised_wgmma():
+    log = _assemble(PTX.read_text())
+    entry = log[log.index("Function properties for p3_gemm_fp8_send"):]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", entry.splitlines()[1]), log
+    regs = int(re.search(r"Used (\d+) registers", entry).group(1))
+    assert regs <= 168, f"{regs} registers: 384 threads launch only with <= 168"
+    assert "C7509" not in log and "C7510" not in log and "C7504" not in log, log
+
+
+def test_no_promote_variant_builds(tmp_path):
+    _nvcc_13_0()
+    out = tmp_path / "v.ptx"
+    r = subprocess.run([sys.executable, str(TOOL), "--variant", "no_promote", "-o", str(out)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = out.read_text()
+    assert text != PTX.read_text() and not ptxlint.lint(text, PTX.name)
+
+
+def test_rdc_form_links_with_p3_send_rows_through_nvjitlink():
+    missing = ptxlint.nvjitlink_missing()
+    if missing:
+        pytest.skip(missing)
+    extern = ptxdoc.set_prototype_linkage(PTX.read_text(), "extern")
+    rep = ptxlint.assemble(extern, PTX.name, "sm_90a", deps=[(ROWS.name, ROWS.read_text())],
+                            options=["-maxrregcount=168"], judge_resources=False)
+    assert not rep.error, rep.error
+    alone = ptxlint.assemble(extern, PTX.name, "sm_90a", options=["-maxrregcount=168"], judge_resources=False)
+    assert alone.error and "p3_send_rows" in alone.error, "an unresolved p3_send_rows must fail to link"
+
+
+def test_p3send_h_constants_match_the_launchers():
+    from p3send.ops import gemm_fp8, quant
+    text = (ROOT / "ptx" / "p3send.h").read_text()
+    got = {k: v for k, v in re.findall(r"#define (P3_(?:GEMM|QUANT)_FP8_\w+|P3_FP8_BLOCK) (\d+)", text)}
+    assert got == {"P3_FP8_BLOCK": str(quant.BLOCK), "P3_QUANT_FP8_THREADS": str(quant.THREADS),
+                   "P3_GEMM_FP8_THREADS": str(gemm_fp8.THREADS), "P3_GEMM_FP8_SMEM": str(gemm_fp8.SMEM)}, got

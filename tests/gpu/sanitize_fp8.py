@@ -1,0 +1,39 @@
+"""Small runs of the FP8 kernels for compute-sanitizer (memcheck, racecheck): the quantiser on
+edge blocks, and the FP8 grouped GEMM gated and fused at a reduced shape (both tile heights,
+both layouts). Exits non-zero if a result is wrong; the sanitizer's --error-exitcode reports
+memory errors and races.
+
+    compute-sanitizer --tool memcheck --error-exitcode 99 python -m tests.gpu.sanitize_fp8
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from p3send.oracle import fp8
+from tests.gpu.conftest import assert_send_exact, run_send
+from tests.gpu.test_gemm_fp8 import Fp8Problem, FusedSender, _check_c, _gated, edge_rows, run_quant
+
+
+def main() -> int:
+    from p3send.cuda import driver
+    dev = driver.device()
+    xb = edge_rows(np.random.default_rng(5), 9, 384)
+    q, s = run_quant(dev, xb)
+    want_q, want_s = fp8.quantize(xb)
+    assert np.array_equal(q, want_q) and np.array_equal(s[:, :9].T, want_s.view(np.uint32))
+    print("quant ok", flush=True)
+    for i, (family, bm, align) in enumerate((("masked_experts", 128, 128), ("skewed", 64, 1))):
+        prob = Fp8Problem(family, 4242 + i, n_cols=128, k_dim=256, align=align)
+        c = _gated(dev, prob, bm)
+        _check_c(prob, c)
+        prob.case.c = c
+        assert_send_exact(run_send(dev, prob.case, sender_factory=lambda cs, p=prob, b=bm: FusedSender(dev, p, b)))
+        print("gemm fp8 ok", prob.case, f"bm={bm}", flush=True)
+    print("sanitize fp8 cases: all results correct")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
