@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from p3send import cli
+from tests.cpu.test_ptx import LIB
 
 
 @pytest.mark.parametrize("args, wanted", [
@@ -172,39 +173,13 @@ def test_check_ptx_reads_siblings_only_for_what_a_file_links(capsys, tmp_path):
     assert "junk.ptx: a binary file (NUL at byte 7)" in out
 
 
-FUNC_LIB = """//
-// FUNC p3_test_inc
-// Returns a + 1.
-// PARAMS
-//   off  size  type  name  meaning
-//     0     8  u64   a     any value
-// LAUNCH called by one thread
-// ORDERING none
-// REQUIRES sm_90
-// TIMEOUT none
-//
-.version 8.0
-.target sm_90
-.address_size 64
-
-.visible .func (.param .b64 rv) p3_test_inc(.param .b64 a)
-{
-    .reg .b64 %rd<3>;
-    ld.param.b64        %rd1, [a];
-    add.u64             %rd2, %rd1, 1;
-    st.param.b64        [rv], %rd2;
-    ret;
-}
-"""
-
-
 def test_check_ptx_paths_with_spaces_quotes_and_a_leading_dash(capsys, tmp_path):
     # Each name reaches ptxas (and nvJitLink) as one argument: no shell, no option parsing.
     folder = tmp_path / "a 'quoted' \"folder\" $(touch PWNED); `touch PWNED`"
     folder.mkdir()
     shutil.copy(ECHO, folder / ECHO.name)
     lib = folder / "-o it's a \"lib\" $(touch PWNED).ptx"
-    lib.write_text(FUNC_LIB)
+    lib.write_text(LIB)             # a linkable .func file with its header
     assert cli.main(["check-ptx", str(folder / ECHO.name), str(lib), "--arch", "sm_90"]) == 0, \
         capsys.readouterr().out
     out = capsys.readouterr().out
