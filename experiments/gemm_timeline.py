@@ -52,11 +52,12 @@ def stamped_gemm() -> str:
     """The kernel with stamps u64[8*cta + k] of the CTA's last tile (send warp 0): 0 before
     p3_send_rows or the wait for the staged tile, 1 after that wait (gated), 2 after its send
     or C stores, 3 after the flush, 4 CTA start."""
-    src = build_gemm.SRC.read_text()
-    src = _edit(src, [
-        ("""        const Tile T = tile_at(t, n_tiles, n_experts, mp, offs, bm);
+    # the send warps live in the shared header: stamp a copy of it, inlined into the source
+    common = (build_gemm.SRC.parent / "p3_gemm_common.cuh").read_text()
+    common = _edit(common, [
+        ("""        const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, L::BN);
         if (send) {""",
-         f"""        const Tile T = tile_at(t, n_tiles, n_experts, mp, offs, bm);
+         f"""        const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, L::BN);
         uint64_t tp_;
         {TRACE}
         uint64_t *st_ = warp_rank == 0 && lane == 0 && t + (int)gridDim.x >= total ?
@@ -80,6 +81,10 @@ def stamped_gemm() -> str:
         if (st_) st_[3] = {NOW};
     }}
 }}"""),
+    ])
+    src = build_gemm.SRC.read_text()
+    src = _edit(src, [
+        ('#include "p3_gemm_common.cuh"', common),
         ("    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;\n",
          "    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;\n"
          f"    if (tid == 0) {{ uint64_t tp_; {TRACE}\n"

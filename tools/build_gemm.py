@@ -36,8 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from p3send.cuda import ptxdoc  # noqa: E402
 
-SRC = ROOT / "ptx" / "cuda" / "p3_gemm_send.cu"
-OUT = ROOT / "ptx" / "p3_gemm_send.ptx"
 NVCC_FLAGS = ["-rdc=true", "-ptx", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17"]
 
 #: The nvcc whose output the shipped file is (``nvcc --version``: "V13.0.88").
@@ -54,13 +52,6 @@ TOOLKIT = {
     "nvidia-cuda-cccl": "13.0.85",
 }
 NVCC_WHEEL = "nvidia-cuda-nvcc"
-
-#: The marker lines around the PTX header in the .cu (the lines between them are copied).
-HEADER_BEGIN = "// ---- begin ptx/p3_gemm_send.ptx header ----"
-HEADER_END = "// ---- end ptx/p3_gemm_send.ptx header ----"
-
-#: The kernel's parameters, in declaration order: nvcc's p3_gemm_send_param_<i> get these names.
-PARAM_NAMES = ["cfg", "ctx", "tmaps", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"]
 
 WHY = (f"ptx/p3_gemm_send.ptx is nvcc {NVCC_VERSION}'s output byte for byte, and another version writes other "
        f"bytes")
@@ -151,46 +142,125 @@ def toolkit(nvcc: str | Path | None = None) -> Toolkit:
                    f"the system nvcc {system} (version {NVCC_VERSION}, the pinned one; {why_not})")
 
 
-def header(source: str) -> str:
-    """The PTX header: the lines of ``source`` between HEADER_BEGIN and HEADER_END, verbatim."""
-    lines = source.splitlines(keepends=True)
-    marks = [i for i, line in enumerate(lines) if line.rstrip("\n") in (HEADER_BEGIN, HEADER_END)]
-    if [lines[i].rstrip("\n") for i in marks] != [HEADER_BEGIN, HEADER_END]:
-        raise BuildError(f"build_gemm: {SRC.name} must hold the PTX header between one line {HEADER_BEGIN!r} and "
-                         f"one later line {HEADER_END!r}")
-    block = lines[marks[0] + 1:marks[1]]
-    for n, line in enumerate(block, marks[0] + 2):
-        if not line.startswith("//") or line.rstrip("\n").endswith("\\"):
-            raise BuildError(f"build_gemm: {SRC.name}:{n}: each line of the PTX header is a // comment not ending "
-                             f"in a backslash, got {line.rstrip()!r}")
-    return "".join(block)
+class GemmBuild(NamedTuple):
+    """One generated GEMM: ptx/<entry>.ptx, built from ptx/cuda/<entry>.cu. ``tool``: the
+    script (its messages start with it); ``param_names``: the kernel's parameters in
+    declaration order (nvcc's <entry>_param_<i> get these names); ``variants``: name -> the
+    macros a measurement variant is compiled with (never shipped)."""
 
+    tool: str
+    entry: str
+    param_names: tuple
+    variants: dict = {}          # read only (one default shared by every instance)
 
-def build(nvcc: str | Path | Toolkit | None = None, source: str | None = None) -> str:
-    """The shipped text, from ptx/cuda/p3_gemm_send.cu (or ``source``, another version of it),
-    compiled by ``toolkit(nvcc)``'s nvcc (or by the Toolkit given)."""
-    tk = nvcc if isinstance(nvcc, Toolkit) else toolkit(nvcc)
-    text_src = SRC.read_text() if source is None else source
-    head = header(text_src)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "p3_gemm_send.ptx"
-        src, inc = SRC, ["-I", str(ROOT / "ptx")]
-        if source is not None:   # its relative includes still resolve from ptx/cuda
-            src = Path(tmp) / SRC.name
-            src.write_text(source)
-            inc += ["-I", str(SRC.parent)]
-        cmd = [str(tk.nvcc), *NVCC_FLAGS, *inc, str(src), "-o", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            raise BuildError(f"build_gemm: nvcc failed ({' '.join(cmd)}):\n{r.stderr}")
-        text = out.read_text()
-    # nvcc's banner names its build; the shipped text starts at .version.
-    text = text[text.index(".version"):]
-    for i, name in reversed(list(enumerate(PARAM_NAMES))):
-        text = re.sub(rf"\bp3_gemm_send_param_{i}\b", name, text)
-    if "p3_gemm_send_param_" in text:
-        raise BuildError("build_gemm: the kernel has more parameters than PARAM_NAMES")
-    return head + ptxdoc.set_prototype_linkage(text, "visible")
+    @property
+    def src(self) -> Path:
+        return ROOT / "ptx" / "cuda" / f"{self.entry}.cu"
+
+    @property
+    def out(self) -> Path:
+        return ROOT / "ptx" / f"{self.entry}.ptx"
+
+    @property
+    def header_begin(self) -> str:
+        """The marker line before the PTX header in the .cu (the lines between the two are copied)."""
+        return f"// ---- begin ptx/{self.entry}.ptx header ----"
+
+    @property
+    def header_end(self) -> str:
+        return f"// ---- end ptx/{self.entry}.ptx header ----"
+
+    def header(self, source: str) -> str:
+        """The PTX header: the lines of ``source`` between the two marker lines, verbatim."""
+        begin, end = self.header_begin, self.header_end
+        lines = source.splitlines(keepends=True)
+        marks = [i for i, line in enumerate(lines) if line.rstrip("\n") in (begin, end)]
+        if [lines[i].rstrip("\n") for i in marks] != [begin, end]:
+            raise BuildError(f"{self.tool}: {self.src.name} must hold the PTX header between one line {begin!r} "
+                             f"and one later line {end!r}")
+        block = lines[marks[0] + 1:marks[1]]
+        for n, line in enumerate(block, marks[0] + 2):
+            if not line.startswith("//") or line.rstrip("\n").endswith("\\"):
+                raise BuildError(f"{self.tool}: {self.src.name}:{n}: each line of the PTX header is a // comment "
+                                 f"not ending in a backslash, got {line.rstrip()!r}")
+        return "".join(block)
+
+    def build(self, nvcc: str | Path | Toolkit | None = None, source: str | None = None, defines=()) -> str:
+        """The shipped text (or a variant's, with ``defines``: nvcc's -D options), from the .cu
+        (or ``source``, another version of it), compiled by ``toolkit(nvcc)``'s nvcc (or by the
+        Toolkit given)."""
+        tk = nvcc if isinstance(nvcc, Toolkit) else toolkit(nvcc)
+        text_src = self.src.read_text() if source is None else source
+        head = self.header(text_src)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / f"{self.entry}.ptx"
+            src, inc = self.src, ["-I", str(ROOT / "ptx")]
+            if source is not None:   # its relative includes still resolve from ptx/cuda
+                src = Path(tmp) / self.src.name
+                src.write_text(source)
+                inc += ["-I", str(self.src.parent)]
+            cmd = [str(tk.nvcc), *NVCC_FLAGS, *defines, *inc, str(src), "-o", str(out)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                raise BuildError(f"{self.tool}: nvcc failed ({' '.join(cmd)}):\n{r.stderr}")
+            text = out.read_text()
+        # nvcc's banner names its build; the shipped text starts at .version.
+        text = text[text.index(".version"):]
+        for i, name in reversed(list(enumerate(self.param_names))):
+            text = re.sub(rf"\b{self.entry}_param_{i}\b", name, text)
+        if f"{self.entry}_param_" in text:
+            raise BuildError(f"{self.tool}: the kernel has more parameters than PARAM_NAMES")
+        return head + ptxdoc.set_prototype_linkage(text, "visible")
+
+    def main(self, argv, description: str) -> int:
+        """The script: write the shipped file, or --check it, or build a --variant to -o;
+        --ptxas assembles the loaded module. Returns the exit status."""
+        ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("--check", action="store_true", help="compare with the shipped file instead of writing it")
+        ap.add_argument("--ptxas", action="store_true", help="assemble the loaded module with ptxas -v")
+        if self.variants:
+            ap.add_argument("--variant", choices=sorted(self.variants), help="build a measurement variant (needs -o)")
+            ap.add_argument("-o", "--output", type=Path, help="where --variant writes")
+        ap.add_argument("--nvcc", default=None, help=f"the nvcc to use (it must be version {NVCC_VERSION}); default: "
+                        f"the {NVCC_WHEEL} wheel's, else the one on PATH")
+        a = ap.parse_args(argv)
+        variant = getattr(a, "variant", None)
+        if variant and (a.output is None or a.check):
+            print(f"{self.tool}: --variant writes to -o PATH (and is never checked against the shipped file)",
+                  file=sys.stderr)
+            return 2
+        try:
+            tk = toolkit(a.nvcc)
+            print(f"{self.tool}: using {tk.origin}", file=sys.stderr)
+            text = self.build(tk, defines=self.variants[variant] if variant else ())
+        except BuildError as e:
+            print(e, file=sys.stderr)
+            return 2
+        out = self.out
+        if variant:
+            a.output.write_text(text)
+            print(f"wrote variant {variant} to {a.output} ({len(text)} bytes)")
+        elif a.check:
+            if not out.exists() or out.read_text() != text:
+                print(f"{out.relative_to(ROOT)} is stale: run python tools/{self.tool}.py")
+                return 1
+            print(f"{out.relative_to(ROOT)} is up to date")
+        else:
+            out.write_text(text)
+            print(f"wrote {out.relative_to(ROOT)} ({len(text)} bytes)")
+        if a.ptxas:
+            if tk.ptxas is None:
+                print(f"{self.tool}: no ptxas beside {tk.nvcc} or on PATH", file=sys.stderr)
+                return 2
+            with tempfile.TemporaryDirectory() as tmp:
+                p = Path(tmp) / "m.ptx"
+                p.write_text(inlined(text))
+                r = subprocess.run([str(tk.ptxas), "-arch=sm_90a", "-v", str(p), "-o", str(Path(tmp) / "m.cubin")],
+                                   capture_output=True, text=True)
+                print(r.stdout + r.stderr)
+                if r.returncode:
+                    return 1
+        return 0
 
 
 def inlined(text: str) -> str:
@@ -198,41 +268,15 @@ def inlined(text: str) -> str:
     return ptxdoc.module_text(text, [("p3_send_rows.ptx", (ROOT / "ptx" / "p3_send_rows.ptx").read_text())])
 
 
+GEMM = GemmBuild("build_gemm", "p3_gemm_send",
+                 ("cfg", "ctx", "tmaps", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"))
+SRC, OUT, HEADER_BEGIN, HEADER_END, PARAM_NAMES = GEMM.src, GEMM.out, GEMM.header_begin, GEMM.header_end, \
+    GEMM.param_names
+header, build = GEMM.header, GEMM.build
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="compare with the shipped file instead of writing it")
-    ap.add_argument("--ptxas", action="store_true", help="assemble the loaded module with ptxas -v")
-    ap.add_argument("--nvcc", default=None, help=f"the nvcc to use (it must be version {NVCC_VERSION}); default: "
-                    f"the {NVCC_WHEEL} wheel's, else the one on PATH")
-    a = ap.parse_args(argv)
-    try:
-        tk = toolkit(a.nvcc)
-        print(f"build_gemm: using {tk.origin}", file=sys.stderr)
-        text = build(tk)
-    except BuildError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if a.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python tools/build_gemm.py")
-            return 1
-        print(f"{OUT.relative_to(ROOT)} is up to date")
-    else:
-        OUT.write_text(text)
-        print(f"wrote {OUT.relative_to(ROOT)} ({len(text)} bytes)")
-    if a.ptxas:
-        if tk.ptxas is None:
-            print(f"build_gemm: no ptxas beside {tk.nvcc} or on PATH", file=sys.stderr)
-            return 2
-        with tempfile.TemporaryDirectory() as tmp:
-            p = Path(tmp) / "m.ptx"
-            p.write_text(inlined(text))
-            r = subprocess.run([str(tk.ptxas), "-arch=sm_90a", "-v", str(p), "-o", str(Path(tmp) / "m.cubin")],
-                               capture_output=True, text=True)
-            print(r.stdout + r.stderr)
-            if r.returncode:
-                return 1
-    return 0
+    return GEMM.main(argv, __doc__)
 
 
 if __name__ == "__main__":

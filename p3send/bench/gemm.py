@@ -66,23 +66,8 @@ def measure_shape(a, dev, rng, torch, tokens: int, *, linked: bool = False) -> d
                                                    count_ptrs=[b.ptr for b in counts[1]], p3_control=0,
                                                    same_gpu=True, into=gem.k.params_block(), **common)
         # correctness before timing: fused == gated C sent by p3_scatter_send, byte for byte
-        checks = {}
-        for bm in bms:
-            for i in range(2):
-                for b in recvs[i]:
-                    b.fill(0xAB)
-                for b in counts[i]:
-                    b.fill(0xFF)
-            gem.launch(s, blocks[f"gated bm={bm}"])
-            sender(cfgs[0], c.view(torch.uint8), offsets, expert_offsets_host=off,
-                   count_ptrs=[b.ptr for b in counts[0]], same_gpu=True, stream=s)
-            gem.launch(s, blocks[f"fused bm={bm}"])
-            s.synchronize()
-            same = all(_equal(torch, recvs[0][p], recvs[1][p]) for p in range(ranks))
-            same_counts = all(np.array_equal(counts[0][p].download(np.uint64), counts[1][p].download(np.uint64))
-                              for p in range(ranks))
-            checks[f"bm={bm}"] = bool(same and same_counts)
-        out["fused_equals_gated_then_scatter_send"] = checks
+        out["fused_equals_gated_then_scatter_send"] = fused_equals_gated_then_scatter_send(
+            torch, s, gem, blocks, bms, sender, cfgs[0], c, offsets, off, recvs, counts)
         # timings: every contender in turns (Timer.interleaved), weights in both layouts for torch
         prepared = {}
 
@@ -145,6 +130,55 @@ def _equal(torch, a, b) -> bool:
     return bool(torch.equal(ta, tb))
 
 
+def fused_equals_gated_then_scatter_send(torch, s, gem, blocks: dict, bms, sender, cfg, c, offsets, off,
+                                         recvs, counts) -> dict:
+    """Per tile height: whether the fused launch (``blocks["fused bm=..."]``, into ``recvs[1]``
+    and ``counts[1]``) writes the bytes and counts that the gated launch's C sent by
+    ``p3_scatter_send`` (``sender`` with ``cfg``, into ``recvs[0]`` and ``counts[0]``) writes;
+    every buffer re-filled first. Returns {"bm=...": bool}.
+
+    Args:
+        torch: the torch module (C is a torch tensor; the receive buffers are compared there).
+        s: the stream of every launch.
+        gem: the GEMM launcher; blocks: its prepared ``"gated bm=..."`` and ``"fused bm=..."`` blocks.
+        bms: the tile heights prepared.
+        sender: a ScatterSend; cfg: its config (receive buffers ``recvs[0]``).
+        c: the gated C (torch bf16 (rows, N)).
+        offsets, off: the expert offsets on the device and as numpy.
+        recvs, counts: per side (0: gated then p3_scatter_send, 1: fused), the receive buffers
+            and counts of every rank (DeviceBuffers).
+    """
+    ranks = len(recvs[0])
+    checks = {}
+    for bm in bms:
+        for i in range(2):
+            for b in recvs[i]:
+                b.fill(0xAB)
+            for b in counts[i]:
+                b.fill(0xFF)
+        gem.launch(s, blocks[f"gated bm={bm}"])
+        sender(cfg, c.view(torch.uint8), offsets, expert_offsets_host=off,
+               count_ptrs=[b.ptr for b in counts[0]], same_gpu=True, stream=s)
+        gem.launch(s, blocks[f"fused bm={bm}"])
+        s.synchronize()
+        same = all(_equal(torch, recvs[0][p], recvs[1][p]) for p in range(ranks))
+        same_counts = all(np.array_equal(counts[0][p].download(np.uint64), counts[1][p].download(np.uint64))
+                          for p in range(ranks))
+        checks[f"bm={bm}"] = bool(same and same_counts)
+    return checks
+
+
+def shape_results(out: dict, key: str, title: str) -> tuple[dict | None, str]:
+    """A section's results by shape (``out[key]``), or None and what its table says instead: ""
+    when the section did not run, ``title`` and the reason when it was skipped."""
+    g = out.get(key)
+    if not g:
+        return None, ""
+    if "skipped" in g:
+        return None, f"\n{title}: skipped ({g['skipped']})"
+    return g, ""
+
+
 def measure(a, dev, rng, torch, *, linked: bool = True) -> dict:
     """Both shapes (``SECTION_SHAPES``): {shape: measure_shape(...)}, or {"skipped": why}."""
     if torch is None:
@@ -162,11 +196,9 @@ def run(ctx, out: dict) -> None:
 
 
 def table(out: dict) -> str:
-    g = out.get("gemm")
-    if not g:
-        return ""
-    if "skipped" in g:
-        return f"\n8. grouped GEMM + send: skipped ({g['skipped']})"
+    g, instead = shape_results(out, "gemm", "8. grouped GEMM + send")
+    if g is None:
+        return instead
     L = []
     for shape, r in g.items():
         L.append(f"\n8. grouped GEMM + send, {shape}: {r['rows']} rows over {r['experts']} experts, K={r['k']}, "

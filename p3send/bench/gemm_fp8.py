@@ -34,6 +34,7 @@ from ..ops.gemm_fp8 import GroupedGemmFp8Send
 from ..ops.quant import QuantFp8, scale_layout
 from ..ops.send import ScatterSend
 from ..oracle import fp8 as ref8
+from .gemm import fused_equals_gated_then_scatter_send, shape_results
 from .timing import Timer
 
 #: name -> (experts, mean rows per expert, seed of the rows per expert: fixed, so every run and
@@ -213,24 +214,8 @@ def measure_shape(ctx, name: str) -> dict:
     fns = {"quantiser p3_quant_fp8 (bf16 -> e4m3 + scales)": lambda i: quant.launch(s, q_blk)}
     try:
         # checks before timing: fused == gated C sent by p3_scatter_send, byte for byte
-        checks = {}
-        for bm in bms:
-            for i in range(2):
-                for b in recvs[i]:
-                    b.fill(0xAB)
-                for b in counts[i]:
-                    b.fill(0xFF)
-            gem.launch(s, blocks[f"gated bm={bm}"])
-            sender(cfgs[0], c.view(torch.uint8), offsets, expert_offsets_host=off, count_ptrs=cptr[0],
-                   same_gpu=True, stream=s)
-            gem.launch(s, blocks[f"fused bm={bm}"])
-            s.synchronize()
-            same = all(torch.equal(torch.as_tensor(recvs[0][p], device="cuda"),
-                                   torch.as_tensor(recvs[1][p], device="cuda")) for p in range(ranks))
-            same_counts = all(np.array_equal(counts[0][p].download(np.uint64), counts[1][p].download(np.uint64))
-                              for p in range(ranks))
-            checks[f"bm={bm}"] = bool(same and same_counts)
-        out["fused_equals_gated_then_scatter_send"] = checks
+        out["fused_equals_gated_then_scatter_send"] = fused_equals_gated_then_scatter_send(
+            torch, s, gem, blocks, bms, sender, cfgs[0], c, offsets, off, recvs, counts)
         gem.launch(s, blocks[f"gated bm={bm0}"])
         s.synchronize()
         real_rows = np.flatnonzero(m_idx >= 0)
@@ -463,11 +448,9 @@ TARGETS = {"gemm_over_deepgemm": "<= 1.00 (prefill shapes)", "fused_over_gemm": 
 
 
 def table(out: dict) -> str:
-    g = out.get("gemm_fp8")
-    if not g:
-        return ""
-    if "skipped" in g:
-        return f"\n9. FP8 grouped GEMM + send: skipped ({g['skipped']})"
+    g, instead = shape_results(out, "gemm_fp8", "9. FP8 grouped GEMM + send")
+    if g is None:
+        return instead
     L = []
     for shape, r in g.items():
         L.append(f"\n9. FP8 grouped GEMM + send, {shape}: {r['real_rows']} real rows ({r['rows']} with padding) over "

@@ -10,6 +10,9 @@ x: bf16 (rows, K) row-major; w: bf16 (E, N, K) (each expert's weights N x K, K c
 torch/cupy tensors (``__cuda_array_interface__`` or ``data_ptr``), DeviceBuffers or addresses;
 for the last two give ``rows``, ``n_cols`` and ``k_dim``. The kernel is Hopper-only: it needs
 compute capability 9.0 exactly.
+
+``GroupedGemmLauncher`` is what this launcher and the FP8 one (``ops.gemm_fp8``) share: the
+loading, the checks their arguments have in common and the device-side arguments.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import numpy as np
 from ..abi.config import P3PeerSendConfig, P3SendCtx
 from ..abi.errors import ConfigError, P3SendError
 from ..cuda import driver, ptxdoc
-from ..cuda.loader import ParamBlock, kernel, link, ptx_dir
+from ..cuda.loader import ParamBlock, kernel, link, load, ptx_dir
 from .args import aligned, nbytes
 from .send import SendLauncher
 
@@ -57,18 +60,275 @@ def _size(obj) -> int | None:
     return nbytes(obj)
 
 
-def require_hopper(dev: driver.Device) -> None:
+def require_hopper(dev: driver.Device, entry: str = ENTRY, needs: str = "wgmma, setmaxnreg") -> None:
+    """Refuse a GPU other than compute capability 9.0 (the kernels' PTX targets sm_90a).
+
+    Args:
+        dev: the GPU.
+        entry: the kernel, for the message.
+        needs: what of sm_90a it needs, for the message.
+
+    Raises:
+        P3SendError: ``dev`` is not a Hopper GPU.
+    """
     if tuple(dev.cc) != (9, 0):
-        raise P3SendError(f"{ENTRY} is Hopper-only (PTX .target sm_90a: wgmma, setmaxnreg): it needs compute "
+        raise P3SendError(f"{entry} is Hopper-only (PTX .target sm_90a: {needs}): it needs compute "
                           f"capability 9.0 (H100, H200, GH200); {dev.name} has {dev.cc[0]}.{dev.cc[1]}")
 
 
-def _module_text_linked() -> str:
-    """The shipped text as nvcc wrote it: p3_send_rows/p3_send_flush as .extern, for a linker."""
-    return ptxdoc.set_prototype_linkage((ptx_dir() / f"{ENTRY}.ptx").read_text(), "extern")
+def module_text(entry: str, variant_ptx: str | None = None, *, linked: bool = False) -> str:
+    """A grouped GEMM's module text: its shipped PTX (or a variant's text), with the send's two
+    functions as ``.extern`` for a linker (``linked``: nvcc's own -rdc form) or with
+    p3_send_rows.ptx appended (the module the loader compiles, the calls inlined).
+
+    Args:
+        entry: the kernel (``ptx/<entry>.ptx``).
+        variant_ptx: the text of a measurement variant, used instead of the shipped file.
+        linked: the ``.extern`` form instead of the inlined module.
+
+    Returns:
+        The PTX text.
+    """
+    text = variant_ptx if variant_ptx is not None else (ptx_dir() / f"{entry}.ptx").read_text()
+    if linked:
+        return ptxdoc.set_prototype_linkage(text, "extern")
+    return ptxdoc.module_text(text, [("p3_send_rows.ptx", (ptx_dir() / "p3_send_rows.ptx").read_text())])
 
 
-class GroupedGemmSend(SendLauncher):
+class GroupedGemmLauncher(SendLauncher):
+    """What the grouped-GEMM launchers (``GroupedGemmSend``, ``GroupedGemmFp8Send``) share: the
+    kernel loaded (inlined, linked or a variant), the sender state (zeroed once,
+    self-resetting), the diagnostics, the argument checks of sizes, send, C and tile height,
+    and per parameter block the P3SendCtx and tensor maps on the device. Subclasses set
+    the kernel's ``ENTRY``, ``THREADS``, ``SMEM`` (its dynamic shared memory), ``BN`` and
+    ``BK`` (the multiples N and K must be), ``MAX_EXPERTS``, ``LINK_MAX_REGISTERS`` (the linked
+    route's cap), ``NEEDS`` (what of sm_90a it needs, for the refusal of other GPUs) and
+    ``KIND`` (the prefix of its messages)."""
+
+    ENTRY: str
+    THREADS: int
+    SMEM: int
+    BN: int
+    BK: int
+    MAX_EXPERTS: int
+    LINK_MAX_REGISTERS: int
+    NEEDS: str
+    KIND = ""
+
+    def __init__(self, n_experts: int, *, device: driver.Device | None = None, linked: bool = False,
+                 num_sms: int | None = None, variant_ptx: str | None = None):
+        what = f"{self.KIND}grouped GEMM"
+        if not (1 <= n_experts <= self.MAX_EXPERTS):
+            raise ConfigError([f"n_experts: expected 1..{self.MAX_EXPERTS}, got {n_experts}"], what)
+        self.dev = device or driver.device()
+        require_hopper(self.dev, self.ENTRY, self.NEEDS)
+        entry = self.ENTRY
+        if linked:
+            mod = link([(f"{entry}.ptx", module_text(entry, variant_ptx, linked=True)), "p3_send_rows"],
+                       device=self.dev, name=f"{entry}+p3_send_rows (linked)", max_registers=self.LINK_MAX_REGISTERS)
+            self.k = mod[entry]
+        elif variant_ptx is not None:
+            self.k = load(module_text(entry, variant_ptx), device=self.dev, name=f"{entry} (variant)")[entry]
+        else:
+            self.k = kernel(entry, self.dev)
+        if self.SMEM > self.dev.smem_optin:
+            raise P3SendError(f"{entry} needs {self.SMEM} B of shared memory per block; {self.dev.name} allows "
+                              f"{self.dev.smem_optin}")
+        driver.set_max_dynamic_smem(self.k.func, self.SMEM)
+        sms = self.dev.sm_count
+        if num_sms is not None and not (1 <= num_sms <= sms):
+            raise ConfigError([f"num_sms: expected 1..{sms}, got {num_sms}"], what)
+        self.grid, self.threads, self.smem = num_sms or sms, self.THREADS, self.SMEM
+        self.n_experts, self.linked = int(n_experts), linked
+        self.state = driver.DeviceBuffer(40 * self.n_experts, fill=0)
+        self.diag = driver.DeviceBuffer(16, fill=0)
+        self.block = self.k.params_block()
+        self._dev_args: dict = {}   # id(parameter block) -> its P3SendCtx and tensor maps on the device
+
+    def check_weights(self, name: str, shape: tuple, n_cols, k_dim, k_of: str, problems: list):
+        """The weights' shape (E, N, K), once known to be one: E must be ``n_experts`` and K, when
+        known, ``k_dim``; appends what differs.
+
+        Args:
+            name: the weights' argument, for the messages.
+            shape: their shape.
+            n_cols, k_dim: N and K so far (None: not known yet).
+            k_of: the argument K was taken from, for the message.
+            problems: the launch's problems so far; appended to.
+
+        Returns:
+            n_cols, from the shape when it was not known.
+        """
+        if shape[0] != self.n_experts:
+            problems.append(f"{name}: expected {self.n_experts} experts (dim 0), got {shape[0]}")
+        if k_dim is not None and shape[2] != k_dim:
+            problems.append(f"{name}: expected K = {k_dim} (dim 2, as {k_of}), got {shape[2]}")
+        return shape[1] if n_cols is None else n_cols
+
+    def check_sizes(self, rows, n_cols, k_dim, rows_of: str, problems: list) -> tuple[int, int, int]:
+        """The GEMM's sizes, checked: raises when one is not known, else appends what is out
+        of range (rows 1..2^31-1, n_cols a positive multiple of BN with E*N < 2^31, k_dim a
+        positive multiple of BK).
+
+        Args:
+            rows, n_cols, k_dim: the sizes (None: not derivable from the arrays given).
+            rows_of: the argument holding the rows, for the message.
+            problems: the launch's problems so far; appended to.
+
+        Returns:
+            (rows, n_cols, k_dim) as ints.
+
+        Raises:
+            ConfigError: ``problems`` and the missing sizes, when there are any.
+        """
+        for name, v in (("rows", rows), ("n_cols", n_cols), ("k_dim", k_dim)):
+            if v is None:
+                problems.append(f"{name}: expected a value (not derivable from the arrays given)")
+        if problems:
+            raise ConfigError(problems, f"{self.KIND}grouped-GEMM launch")
+        rows, n_cols, k_dim = int(rows), int(n_cols), int(k_dim)
+        if rows < 1 or rows >= 2 ** 31:
+            problems.append(f"rows: expected 1..2^31-1 rows in {rows_of}, got {rows}")
+        if n_cols <= 0 or n_cols % self.BN or self.n_experts * n_cols >= 2 ** 31:
+            problems.append(f"n_cols: expected a positive multiple of {self.BN} (and E*N < 2^31), got {n_cols}")
+        if k_dim <= 0 or k_dim % self.BK:
+            problems.append(f"k_dim: expected a positive multiple of {self.BK}, got {k_dim}")
+        return rows, n_cols, k_dim
+
+    def check_send(self, cfg: P3PeerSendConfig, expert_offsets, expert_offsets_host, rows: int, n_cols: int,
+                   count_ptrs, row_cache: bool, p3_control: int, same_gpu: bool, problems: list):
+        """Whether the send is on (``p3_control >= 0`` and ``cfg.n_ranks != 0``) and its
+        arguments (``send_args``; with the send off, the offsets' checks only: the send's cfg
+        is not read); with it on, ``cfg.msg_bytes`` must be 2*n_cols (bf16 rows).
+
+        Args:
+            cfg, expert_offsets, expert_offsets_host, count_ptrs, row_cache, p3_control,
+                same_gpu: as ``prepare``.
+            rows: rows of the input (the offsets may not reach past it).
+            n_cols: N.
+            problems: the launch's problems so far; appended to.
+
+        Returns:
+            (send on, the offsets' host values or None, the SendArgs).
+        """
+        send = p3_control >= 0 and cfg.n_ranks != 0
+        host = expert_offsets_host if not isinstance(expert_offsets, np.ndarray) else expert_offsets
+        if send:
+            sargs = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=rows,
+                                   count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control,
+                                   same_gpu=same_gpu)
+            if cfg.msg_bytes != 2 * n_cols:
+                problems.append(f"msg_bytes: expected 2*n_cols = {2 * n_cols} (bf16 rows), got {cfg.msg_bytes}")
+        else:
+            sargs = self.send_args(P3PeerSendConfig.disabled(), expert_offsets, host_offsets=expert_offsets_host,
+                                   rows_cap=rows, p3_control=-1)
+        problems += sargs.problems
+        return send, host, sargs
+
+    def c_address(self, c, c_row_stride: int | None, stride: int, problems: list) -> tuple[int, int | None, int]:
+        """C's address and size in bytes (None: unknown) and its row stride (``stride``: the
+        one given, or 2*n_cols); appends what is wrong with ``c``. This launcher's kind of
+        array: a torch tensor, a ``__cuda_array_interface__`` object, a DeviceBuffer or an
+        address.
+
+        Args:
+            c: the output C (not None).
+            c_row_stride: the row stride the caller gave, or None.
+            stride: the row stride to use unless C tells its own.
+            problems: the launch's problems so far; appended to.
+
+        Returns:
+            (address, bytes or None, row stride).
+        """
+        return _addr(c, "c"), _size(c), stride
+
+    def check_c(self, c, c_row_stride: int | None, rows: int, n_cols: int, send: bool,
+                problems: list) -> tuple[int, int]:
+        """C (written only with the send off: then required, 16-byte aligned, holding ``rows``
+        rows at its row stride, a multiple of 16 >= 2*n_cols).
+
+        Args:
+            c, c_row_stride: as ``prepare``.
+            rows, n_cols: the GEMM's sizes.
+            send: whether the send is on (C is then not read or written).
+            problems: the launch's problems so far; appended to.
+
+        Returns:
+            (C's address, 0 with the send on; the row stride).
+        """
+        stride = 2 * n_cols if c_row_stride is None else int(c_row_stride)
+        c_addr = 0
+        if not send:
+            if c is None:
+                problems.append("c: expected the output C (the send is off: p3_control < 0 or cfg.n_ranks == 0)")
+            else:
+                c_addr, nb, stride = self.c_address(c, c_row_stride, stride, problems)
+                aligned("c", c_addr, 16, problems)
+                if nb is not None and nb < (rows - 1) * stride + 2 * n_cols:
+                    problems.append(f"c: expected at least {(rows - 1) * stride + 2 * n_cols} bytes "
+                                    f"({rows} rows at stride {stride}), got {nb}")
+            if stride % 16 or stride < 2 * n_cols:
+                problems.append(f"c_row_stride: expected a multiple of 16 >= 2*n_cols ({2 * n_cols}), got {stride}")
+        return c_addr, stride
+
+    def tile_rows(self, bm: int | None, host, problems: list) -> int:
+        """Rows per tile: ``bm``, or by default 64 when the host offsets show at most 64 rows
+        per expert on average, else 128; appends a problem unless it is 64 or 128.
+
+        Args:
+            bm: as ``prepare``.
+            host: the offsets' host values, or None (unknown: 128).
+            problems: the launch's problems so far; appended to.
+
+        Returns:
+            bm.
+        """
+        if bm is None:
+            bm = 128
+            if host is not None:
+                off = np.asarray(host, dtype=np.int64)
+                if off.size == self.n_experts + 1 and (off[-1] - off[0]) <= 64 * self.n_experts:
+                    bm = 64
+        if bm not in (64, 128):
+            problems.append(f"bm: expected 64 or 128, got {bm}")
+        return bm
+
+    def fill_block(self, into: ParamBlock | None, cfg: P3PeerSendConfig, sargs, send: bool, p3_control: int,
+                   maps: bytes, **params) -> ParamBlock:
+        """Upload the block's P3SendCtx (at 0) and tensor maps (at 256, 64-byte aligned) to its
+        own device buffer (made on its first use, synchronously) and fill the block.
+
+        Args:
+            into: the block, or None: the launcher's own.
+            cfg: the config parameter.
+            sargs: the SendArgs of ``check_send``.
+            send, p3_control: as ``check_send`` found and ``prepare`` was given.
+            maps: the tensor maps, 128 bytes each, in the kernel's order.
+            **params: the kernel's other parameters.
+
+        Returns:
+            The filled ParamBlock.
+        """
+        ctx = P3SendCtx()
+        ctx.count_ptrs[:] = sargs.count_ptrs
+        ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = sargs.expert_offsets, self.state.ptr, self.diag.ptr
+        ctx.n_experts, ctx.flags, ctx.p3_control = self.n_experts, sargs.flags, int(p3_control) if send else -1
+        blk = into or self.block
+        dev_args = self._dev_args.get(id(blk))
+        if dev_args is None:
+            dev_args = self._dev_args[id(blk)] = driver.DeviceBuffer(256 + len(maps), fill=0)
+        dev_args.upload(np.frombuffer(bytes(ctx) + bytes(256 - ctypes.sizeof(ctx)) + maps, dtype=np.uint8))
+        return blk.set(cfg=cfg, ctx=dev_args.ptr, tmaps=dev_args.ptr + 256, **params)
+
+    def close(self) -> None:
+        """Free the state, diagnostics, staging and the device-side arguments of every block."""
+        super().close()
+        for b in self._dev_args.values():
+            b.free()
+        self._dev_args = {}
+
+
+class GroupedGemmSend(GroupedGemmLauncher):
     """Launcher for ``p3_gemm_send`` on one Hopper GPU. Owns the sender state (zeroed once,
     self-resetting), the diagnostics and the P3SendCtx.
 
@@ -76,31 +336,12 @@ class GroupedGemmSend(SendLauncher):
     (docs/EMBEDDING.md (c); real calls, slower) instead of loading one module with the
     calls inlined (the default). num_sms: the persistent grid (default: every SM)."""
 
+    ENTRY, THREADS, SMEM, BN, BK, MAX_EXPERTS = ENTRY, THREADS, SMEM, BN, BK, MAX_EXPERTS
+    LINK_MAX_REGISTERS, NEEDS = LINK_MAX_REGISTERS, "wgmma, setmaxnreg"
+
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, linked: bool = False,
                  num_sms: int | None = None):
-        if not (1 <= n_experts <= MAX_EXPERTS):
-            raise ConfigError([f"n_experts: expected 1..{MAX_EXPERTS}, got {n_experts}"], "grouped GEMM")
-        self.dev = device or driver.device()
-        require_hopper(self.dev)
-        if linked:
-            mod = link([(f"{ENTRY}.ptx", _module_text_linked()), "p3_send_rows"], device=self.dev,
-                       name=f"{ENTRY}+p3_send_rows (linked)", max_registers=LINK_MAX_REGISTERS)
-            self.k = mod[ENTRY]
-        else:
-            self.k = kernel(ENTRY, self.dev)
-        if SMEM > self.dev.smem_optin:
-            raise P3SendError(f"{ENTRY} needs {SMEM} B of shared memory per block; {self.dev.name} allows "
-                              f"{self.dev.smem_optin}")
-        driver.set_max_dynamic_smem(self.k.func, SMEM)
-        sms = self.dev.sm_count
-        if num_sms is not None and not (1 <= num_sms <= sms):
-            raise ConfigError([f"num_sms: expected 1..{sms}, got {num_sms}"], "grouped GEMM")
-        self.grid, self.threads, self.smem = num_sms or sms, THREADS, SMEM
-        self.n_experts, self.linked = int(n_experts), linked
-        self.state = driver.DeviceBuffer(40 * self.n_experts, fill=0)
-        self.diag = driver.DeviceBuffer(16, fill=0)
-        self.block = self.k.params_block()
-        self._dev_args: dict = {}   # id(parameter block) -> its P3SendCtx and tensor maps on the device
+        super().__init__(n_experts, device=device, linked=linked, num_sms=num_sms)
 
     def prepare(self, cfg: P3PeerSendConfig, x, w, expert_offsets, c=None, *, rows: int | None = None,
                 n_cols: int | None = None, k_dim: int | None = None, c_row_stride: int | None = None,
@@ -149,23 +390,8 @@ class GroupedGemmSend(SendLauncher):
             if len(ws) != 3 or wi != 2 or wstr is not None:
                 problems.append(f"w: expected a contiguous bf16 (E, N, K) array, got shape {ws}, {wi}-byte items")
             else:
-                if ws[0] != self.n_experts:
-                    problems.append(f"w: expected {self.n_experts} experts (dim 0), got {ws[0]}")
-                n_cols = ws[1] if n_cols is None else n_cols
-                if k_dim is not None and ws[2] != k_dim:
-                    problems.append(f"w: expected K = {k_dim} (dim 2, as x), got {ws[2]}")
-        for name, v in (("rows", rows), ("n_cols", n_cols), ("k_dim", k_dim)):
-            if v is None:
-                problems.append(f"{name}: expected a value (not derivable from the arrays given)")
-        if problems:
-            raise ConfigError(problems, "grouped-GEMM launch")
-        rows, n_cols, k_dim = int(rows), int(n_cols), int(k_dim)
-        if rows < 1 or rows >= 2 ** 31:
-            problems.append(f"rows: expected 1..2^31-1 rows in x, got {rows}")
-        if n_cols <= 0 or n_cols % BN or self.n_experts * n_cols >= 2 ** 31:
-            problems.append(f"n_cols: expected a positive multiple of {BN} (and E*N < 2^31), got {n_cols}")
-        if k_dim <= 0 or k_dim % BK:
-            problems.append(f"k_dim: expected a positive multiple of {BK}, got {k_dim}")
+                n_cols = self.check_weights("w", ws, n_cols, k_dim, "x", problems)
+        rows, n_cols, k_dim = self.check_sizes(rows, n_cols, k_dim, "x", problems)
         xa, wa = _addr(x, "x"), _addr(w, "w")
         aligned("x", xa, 16, problems)
         aligned("w", wa, 16, problems)
@@ -173,59 +399,13 @@ class GroupedGemmSend(SendLauncher):
             nb = _size(obj)
             if nb is not None and nb < need:
                 problems.append(f"{name}: expected at least {need} bytes, got {nb}")
-        send = p3_control >= 0 and cfg.n_ranks != 0
-        host = expert_offsets_host if not isinstance(expert_offsets, np.ndarray) else expert_offsets
-        if send:
-            sa = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=rows,
-                                count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control, same_gpu=same_gpu)
-            if cfg.msg_bytes != 2 * n_cols:
-                problems.append(f"msg_bytes: expected 2*n_cols = {2 * n_cols} (bf16 rows), got {cfg.msg_bytes}")
-        else:   # the offsets checks only (the send's cfg is not read)
-            sa = self.send_args(P3PeerSendConfig.disabled(), expert_offsets, host_offsets=expert_offsets_host,
-                                rows_cap=rows, p3_control=-1)
-        problems += sa.problems
-        offs_addr, peers, flags = sa.expert_offsets, sa.count_ptrs, sa.flags
-        stride = 2 * n_cols if c_row_stride is None else int(c_row_stride)
-        c_addr = 0
-        if not send:
-            if c is None:
-                problems.append("c: expected the output C (the send is off: p3_control < 0 or cfg.n_ranks == 0)")
-            else:
-                c_addr = _addr(c, "c")
-                aligned("c", c_addr, 16, problems)
-                nb = _size(c)
-                if nb is not None and nb < (rows - 1) * stride + 2 * n_cols:
-                    problems.append(f"c: expected at least {(rows - 1) * stride + 2 * n_cols} bytes "
-                                    f"({rows} rows at stride {stride}), got {nb}")
-            if stride % 16 or stride < 2 * n_cols:
-                problems.append(f"c_row_stride: expected a multiple of 16 >= 2*n_cols ({2 * n_cols}), got {stride}")
-        if bm is None:
-            bm = 128
-            if host is not None:
-                off = np.asarray(host, dtype=np.int64)
-                if off.size == self.n_experts + 1 and (off[-1] - off[0]) <= 64 * self.n_experts:
-                    bm = 64
-        if bm not in (64, 128):
-            problems.append(f"bm: expected 64 or 128, got {bm}")
+        send, host, sargs = self.check_send(cfg, expert_offsets, expert_offsets_host, rows, n_cols, count_ptrs,
+                                            row_cache, p3_control, same_gpu, problems)
+        c_addr, stride = self.check_c(c, c_row_stride, rows, n_cols, send, problems)
+        bm = self.tile_rows(bm, host, problems)
         if problems:
             raise ConfigError(problems, "grouped-GEMM launch")
         maps = driver.tensor_map("bfloat16", xa, (k_dim, rows), (BK, bm)) + \
             driver.tensor_map("bfloat16", wa, (k_dim, self.n_experts * n_cols), (BK, BN))
-        ctx = P3SendCtx()
-        ctx.count_ptrs[:] = peers
-        ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = offs_addr, self.state.ptr, self.diag.ptr
-        ctx.n_experts, ctx.flags, ctx.p3_control = self.n_experts, flags, int(p3_control) if send else -1
-        blk = into or self.block
-        dev_args = self._dev_args.get(id(blk))
-        if dev_args is None:   # [0, 104): P3SendCtx; [256, 512): the two tensor maps (64-byte aligned)
-            dev_args = self._dev_args[id(blk)] = driver.DeviceBuffer(512, fill=0)
-        dev_args.upload(np.frombuffer(bytes(ctx) + bytes(256 - ctypes.sizeof(ctx)) + maps, dtype=np.uint8))
-        return blk.set(cfg=cfg, ctx=dev_args.ptr, tmaps=dev_args.ptr + 256, c_ptr=c_addr,
-                       c_row_stride=stride, n_cols=n_cols, k_dim=k_dim, bm=bm)
-
-    def close(self) -> None:
-        """Free the state, diagnostics, staging and the device-side arguments of every block."""
-        super().close()
-        for b in self._dev_args.values():
-            b.free()
-        self._dev_args = {}
+        return self.fill_block(into, cfg, sargs, send, p3_control, maps, c_ptr=c_addr, c_row_stride=stride,
+                               n_cols=n_cols, k_dim=k_dim, bm=bm)

@@ -19,17 +19,15 @@ default expert starts must be multiples of 128 (DeepGEMM's contiguous layout);
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
-from ..abi.config import P3PeerSendConfig, P3SendCtx
-from ..abi.errors import ConfigError, P3SendError
-from ..cuda import driver, ptxdoc
-from ..cuda.loader import ParamBlock, kernel, link, load, ptx_dir
+from ..abi.config import P3PeerSendConfig
+from ..abi.errors import ConfigError
+from ..cuda import driver
+from ..cuda.loader import ParamBlock
 from .args import aligned, array_arg
+from .gemm import GroupedGemmLauncher
 from .quant import FP8_DTYPES, array_layout, check_rows_array, check_scales
-from .send import SendLauncher
 
 ENTRY = "p3_gemm_fp8_send"
 THREADS = 384
@@ -40,22 +38,7 @@ LINK_MAX_REGISTERS = 168  # 65536 / 384 threads, rounded down to 8
 CONTIGUOUS_ALIGN = 128   # DeepGEMM's get_m_alignment_for_contiguous_layout()
 
 
-def require_hopper(dev: driver.Device) -> None:
-    if tuple(dev.cc) != (9, 0):
-        raise P3SendError(f"{ENTRY} is Hopper-only (PTX .target sm_90a: wgmma e4m3): it needs compute "
-                          f"capability 9.0 (H100, H200, GH200); {dev.name} has {dev.cc[0]}.{dev.cc[1]}")
-
-
-def module_text(variant_ptx: str | None = None, *, linked: bool = False) -> str:
-    """The kernel's text: the shipped PTX (or a variant's text), with the send's two
-    functions as ``.extern`` for a linker (``linked``) or with p3_send_rows.ptx appended."""
-    text = variant_ptx if variant_ptx is not None else (ptx_dir() / f"{ENTRY}.ptx").read_text()
-    if linked:
-        return ptxdoc.set_prototype_linkage(text, "extern")
-    return ptxdoc.module_text(text, [("p3_send_rows.ptx", (ptx_dir() / "p3_send_rows.ptx").read_text())])
-
-
-class GroupedGemmFp8Send(SendLauncher):
+class GroupedGemmFp8Send(GroupedGemmLauncher):
     """Launcher for ``p3_gemm_fp8_send`` on one Hopper GPU. Owns the sender state (zeroed once,
     self-resetting), the diagnostics and, per parameter block, the P3SendCtx and tensor maps.
 
@@ -64,33 +47,12 @@ class GroupedGemmFp8Send(SendLauncher):
     num_sms: the persistent grid (default: every SM). variant_ptx: the text of a measurement
     variant of the kernel (tools/build_gemm_fp8.py --variant), loaded instead of the shipped one."""
 
+    ENTRY, THREADS, SMEM, BN, BK, MAX_EXPERTS = ENTRY, THREADS, SMEM, BN, BK, MAX_EXPERTS
+    LINK_MAX_REGISTERS, NEEDS, KIND = LINK_MAX_REGISTERS, "wgmma e4m3", "FP8 "
+
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, linked: bool = False,
                  num_sms: int | None = None, variant_ptx: str | None = None):
-        if not (1 <= n_experts <= MAX_EXPERTS):
-            raise ConfigError([f"n_experts: expected 1..{MAX_EXPERTS}, got {n_experts}"], "FP8 grouped GEMM")
-        self.dev = device or driver.device()
-        require_hopper(self.dev)
-        if linked:
-            mod = link([(f"{ENTRY}.ptx", module_text(variant_ptx, linked=True)), "p3_send_rows"], device=self.dev,
-                       name=f"{ENTRY}+p3_send_rows (linked)", max_registers=LINK_MAX_REGISTERS)
-            self.k = mod[ENTRY]
-        elif variant_ptx is not None:
-            self.k = load(module_text(variant_ptx), device=self.dev, name=f"{ENTRY} (variant)")[ENTRY]
-        else:
-            self.k = kernel(ENTRY, self.dev)
-        if SMEM > self.dev.smem_optin:
-            raise P3SendError(f"{ENTRY} needs {SMEM} B of shared memory per block; {self.dev.name} allows "
-                              f"{self.dev.smem_optin}")
-        driver.set_max_dynamic_smem(self.k.func, SMEM)
-        sms = self.dev.sm_count
-        if num_sms is not None and not (1 <= num_sms <= sms):
-            raise ConfigError([f"num_sms: expected 1..{sms}, got {num_sms}"], "FP8 grouped GEMM")
-        self.grid, self.threads, self.smem = num_sms or sms, THREADS, SMEM
-        self.n_experts, self.linked = int(n_experts), linked
-        self.state = driver.DeviceBuffer(40 * self.n_experts, fill=0)
-        self.diag = driver.DeviceBuffer(16, fill=0)
-        self.block = self.k.params_block()
-        self._dev_args: dict = {}   # id(parameter block) -> its P3SendCtx and tensor maps on the device
+        super().__init__(n_experts, device=device, linked=linked, num_sms=num_sms, variant_ptx=variant_ptx)
 
     def prepare(self, cfg: P3PeerSendConfig, a, sa, b, sb, expert_offsets, c=None, *, rows: int | None = None,
                 n_cols: int | None = None, k_dim: int | None = None, c_row_stride: int | None = None,
@@ -151,25 +113,10 @@ class GroupedGemmFp8Send(SendLauncher):
             if len(bs) != 3 or bstr != (bs[1] * bs[2] * bi, bs[2] * bi, bi):
                 problems.append(f"b: expected a contiguous e4m3 (E, N, K) array, got shape {bs}, byte strides {bstr}")
             else:
-                if bs[0] != self.n_experts:
-                    problems.append(f"b: expected {self.n_experts} experts (dim 0), got {bs[0]}")
-                n_cols = bs[1] if n_cols is None else n_cols
-                if k_dim is not None and bs[2] != k_dim:
-                    problems.append(f"b: expected K = {k_dim} (dim 2, as a), got {bs[2]}")
+                n_cols = self.check_weights("b", bs, n_cols, k_dim, "a", problems)
                 k_dim = bs[2] if k_dim is None else k_dim
-        for nm, v in (("rows", rows), ("n_cols", n_cols), ("k_dim", k_dim)):
-            if v is None:
-                problems.append(f"{nm}: expected a value (not derivable from the arrays given)")
-        if problems:
-            raise ConfigError(problems, "FP8 grouped-GEMM launch")
-        rows, n_cols, k_dim = int(rows), int(n_cols), int(k_dim)
+        rows, n_cols, k_dim = self.check_sizes(rows, n_cols, k_dim, "a", problems)
         a_stride = k_dim if a_stride is None else int(a_stride)
-        if rows < 1 or rows >= 2 ** 31:
-            problems.append(f"rows: expected 1..2^31-1 rows in a, got {rows}")
-        if n_cols <= 0 or n_cols % BN or self.n_experts * n_cols >= 2 ** 31:
-            problems.append(f"n_cols: expected a positive multiple of {BN} (and E*N < 2^31), got {n_cols}")
-        if k_dim <= 0 or k_dim % BK:
-            problems.append(f"k_dim: expected a positive multiple of {BK}, got {k_dim}")
         if a_stride % 16 or a_stride < k_dim:
             problems.append(f"a: expected rows at a multiple of 16 bytes >= K = {k_dim}, got row stride {a_stride}")
         ordinal = self.dev.ordinal
@@ -186,18 +133,8 @@ class GroupedGemmFp8Send(SendLauncher):
             problems.append(f"sb: expected float32 weight scales of shape {want_sb} (E, N/128, K/128), got {sbs}")
         sba, _ = array_arg(sb, "sb", problems, dtypes=("float32",), ordinal=ordinal, nbytes_min=4 * n_sb)
         aligned("sb", sba, 4, problems)
-        send = p3_control >= 0 and cfg.n_ranks != 0
-        host = expert_offsets_host if not isinstance(expert_offsets, np.ndarray) else expert_offsets
-        if send:
-            sargs = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=rows,
-                                   count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control,
-                                   same_gpu=same_gpu)
-            if cfg.msg_bytes != 2 * n_cols:
-                problems.append(f"msg_bytes: expected 2*n_cols = {2 * n_cols} (bf16 rows), got {cfg.msg_bytes}")
-        else:   # the offsets checks only (the send's cfg is not read)
-            sargs = self.send_args(P3PeerSendConfig.disabled(), expert_offsets, host_offsets=expert_offsets_host,
-                                   rows_cap=rows, p3_control=-1)
-        problems += sargs.problems
+        send, host, sargs = self.check_send(cfg, expert_offsets, expert_offsets_host, rows, n_cols, count_ptrs,
+                                            row_cache, p3_control, same_gpu, problems)
         if host is not None and expert_align > 1:
             off = np.asarray(host, dtype=np.int64)
             if off.shape == (self.n_experts + 1,):
@@ -206,31 +143,8 @@ class GroupedGemmFp8Send(SendLauncher):
                     problems.append(f"expert_offsets: expected every expert to start at a multiple of {expert_align} "
                                     f"(DeepGEMM's contiguous layout; expert_align=1 takes any start), got expert "
                                     f"{int(bad[0])} at row {int(off[bad[0]])}")
-        stride = 2 * n_cols if c_row_stride is None else int(c_row_stride)
-        c_addr = 0
-        if not send:
-            if c is None:
-                problems.append("c: expected the output C (the send is off: p3_control < 0 or cfg.n_ranks == 0)")
-            else:
-                cs, cstr, _ = array_layout(c)
-                if cs is not None and c_row_stride is None and len(cs) == 2 and cstr[1] == 2:
-                    stride = cstr[0]
-                c_addr, nb = array_arg(c, "c", problems, dtypes=("bfloat16", "uint16", "uint8"), ordinal=ordinal,
-                                       strided_ok=True)
-                aligned("c", c_addr, 16, problems)
-                if nb is not None and nb < (rows - 1) * stride + 2 * n_cols:
-                    problems.append(f"c: expected at least {(rows - 1) * stride + 2 * n_cols} bytes "
-                                    f"({rows} rows at stride {stride}), got {nb}")
-            if stride % 16 or stride < 2 * n_cols:
-                problems.append(f"c_row_stride: expected a multiple of 16 >= 2*n_cols ({2 * n_cols}), got {stride}")
-        if bm is None:
-            bm = 128
-            if host is not None:
-                off = np.asarray(host, dtype=np.int64)
-                if off.size == self.n_experts + 1 and (off[-1] - off[0]) <= 64 * self.n_experts:
-                    bm = 64
-        if bm not in (64, 128):
-            problems.append(f"bm: expected 64 or 128, got {bm}")
+        c_addr, stride = self.check_c(c, c_row_stride, rows, n_cols, send, problems)
+        bm = self.tile_rows(bm, host, problems)
         if problems:
             raise ConfigError(problems, "FP8 grouped-GEMM launch")
         kb = k_dim // BK
@@ -240,20 +154,17 @@ class GroupedGemmFp8Send(SendLauncher):
         maps = driver.tensor_map("float8_e4m3", aa, (k_dim, rows), (BK, bm), strides=[a_stride]) + \
             driver.tensor_map("float8_e4m3", ba, (k_dim, self.n_experts * n_cols), (BK, BN)) + \
             driver.tensor_map("float32", saa, (sa_col // 4, kb), (bm + 4, 1), strides=[sa_col], swizzle=0)
-        ctx = P3SendCtx()
-        ctx.count_ptrs[:] = sargs.count_ptrs
-        ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = sargs.expert_offsets, self.state.ptr, self.diag.ptr
-        ctx.n_experts, ctx.flags, ctx.p3_control = self.n_experts, sargs.flags, int(p3_control) if send else -1
-        blk = into or self.block
-        dev_args = self._dev_args.get(id(blk))
-        if dev_args is None:   # [0, 104): P3SendCtx; [256, 640): the three tensor maps (64-byte aligned)
-            dev_args = self._dev_args[id(blk)] = driver.DeviceBuffer(640, fill=0)
-        dev_args.upload(np.frombuffer(bytes(ctx) + bytes(256 - ctypes.sizeof(ctx)) + maps, dtype=np.uint8))
-        return blk.set(cfg=cfg, ctx=dev_args.ptr, tmaps=dev_args.ptr + 256, sb=sba, c_ptr=c_addr,
-                       c_row_stride=stride, n_cols=n_cols, k_dim=k_dim, bm=bm)
+        return self.fill_block(into, cfg, sargs, send, p3_control, maps, sb=sba, c_ptr=c_addr, c_row_stride=stride,
+                               n_cols=n_cols, k_dim=k_dim, bm=bm)
 
-    def close(self) -> None:
-        super().close()
-        for buf in self._dev_args.values():
-            buf.free()
-        self._dev_args = {}
+    def c_address(self, c, c_row_stride: int | None, stride: int, problems: list) -> tuple[int, int | None, int]:
+        """``GroupedGemmLauncher.c_address`` for this launcher's arrays: the row stride is
+        ``stride`` unless no ``c_row_stride`` is given and ``c`` is a 2-D array of 2-byte items
+        (then its own); its dtype must be bfloat16, uint16 or uint8 and its memory this GPU's
+        (else a problem is appended to ``problems``)."""
+        cs, cstr, _ = array_layout(c)
+        if cs is not None and c_row_stride is None and len(cs) == 2 and cstr[1] == 2:
+            stride = cstr[0]
+        c_addr, nb = array_arg(c, "c", problems, dtypes=("bfloat16", "uint16", "uint8"), ordinal=self.dev.ordinal,
+                               strided_ok=True)
+        return c_addr, nb, stride

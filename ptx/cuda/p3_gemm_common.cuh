@@ -1,9 +1,22 @@
 // p3_gemm_common.cuh: the Hopper pieces p3send's grouped GEMMs share (mbarriers, the tensor
 // memory accelerator, wgmma's shared-memory descriptors and fences, bf16 packing, the tile
-// numbering). Everything is __forceinline__, so each kernel's PTX holds only what it uses.
+// numbering), and the parts of the two kernels (ptx/cuda/p3_gemm_send.cu, bf16, and
+// p3_gemm_fp8_send.cu) that are the same: the shared-memory layout (GemmLayout), the set-up,
+// the producer's A and B loads, a consumer's wgmmas of one k-block, the staging of a finished
+// tile as bf16 and the send warps. Everything is __forceinline__, so each kernel's PTX holds
+// only what it uses.
+//
+// Both kernels' shipped PTX is byte for byte what it was when each kernel held its own copy of
+// these (tools/build_gemm.py --check and tools/build_gemm_fp8.py --check compare): an edit here
+// changes both kernels. What the kernels still write each for itself is what could not move
+// without changing their PTX: the ring's step `if (++s == STAGES) { s = 0; ph ^= 1; }` (a
+// function taking s and ph by reference reorders their selects and phis) and the entry's first
+// lines (a set-up that returns the tile counts, in a struct, changes the whole kernel's
+// register numbering).
 #pragma once
 #include <stdint.h>
 #include <cuda_bf16.h>
+#include "../p3send.h"
 
 struct __align__(64) TmaMap { uint64_t w[16]; };                // a CUtensorMap (128 bytes)
 
@@ -87,4 +100,207 @@ __device__ __forceinline__ Tile grouped_tile(int t, int n_tiles, int n_experts, 
     T.rows = min(bm, offs[lo + 1] - T.m0);
     T.n0 = (t - mg * n_tiles) * bn;
     return T;
+}
+
+// A kernel's tile shape and shared-memory layout. THREADS threads: warp 0 the producer, warps
+// 1..SEND_WARPS the send warps, warpgroups 1 and 2 the consumers. Tiles of BM (64 or 128) x BN
+// output columns; k-blocks of BK elements of ELEM bytes (A: 128 x BK, B: BN x BK per stage) in
+// a ring of STAGES stages; up to MAX_EXPERTS experts. Shared memory from 0 (1024-byte
+// aligned): the A stages, the B stages (OFF_B), the staged bf16 tile (OFF_STG: 128 rows of
+// STG_PITCH bytes, padded: no bank conflicts), EXTRA bytes of the kernel's own (OFF_EXTRA),
+// the mbarriers full[STAGES], empty[STAGES], staged, freed (OFF_BAR), the send warps'
+// P3SendAcct (OFF_ACCT), the m-tile prefix, MAX_EXPERTS + 1 ints (OFF_MPRE); SMEM bytes in all
+// (sm_90 opt-in: 232448).
+template <int BN_, int BK_, int ELEM_, int STAGES_, int EXTRA_>
+struct GemmLayout {
+    static constexpr int THREADS = 384, SEND_WARPS = 3, MAX_EXPERTS = 128;
+    static constexpr int BN = BN_, BK = BK_, STAGES = STAGES_;
+    static constexpr int KSTEPS = BK * ELEM_ / 32;             // wgmma k-steps (32 bytes of K) per k-block
+    static constexpr int A_STAGE = 128 * BK * ELEM_, B_STAGE = BN * BK * ELEM_, STG_PITCH = 2 * BN + 16;
+    static constexpr int OFF_B = STAGES * A_STAGE, OFF_STG = OFF_B + STAGES * B_STAGE;
+    static constexpr int OFF_EXTRA = OFF_STG + 128 * STG_PITCH, OFF_BAR = OFF_EXTRA + EXTRA_;
+    static constexpr int OFF_ACCT = OFF_BAR + (2 * STAGES + 2) * 8;
+    static constexpr int OFF_MPRE = OFF_ACCT + SEND_WARPS * (int)sizeof(P3SendAcct);
+    static constexpr int SMEM = OFF_MPRE + 4 * (MAX_EXPERTS + 1);
+};
+
+extern __shared__ __align__(1024) uint8_t smem[];               // the layout: the kernel's GemmLayout
+
+// The launch's checks and the CTA's set-up: false (the kernel does nothing) for arguments the
+// launcher refuses before launch; else thread 0 writes the m-tile prefix and initialises the
+// mbarriers, the send warps (warps 1..SEND_WARPS) reset their accounts, and the CTA syncs.
+template <class L>
+__device__ __forceinline__ bool gemm_setup(uint32_t base, int tid, const int *offs, int n_experts, uint32_t n_cols,
+                                           uint32_t k_dim, uint32_t bm)
+{
+    const int warp = tid / 32, lane = tid % 32;
+    int *mpre = reinterpret_cast<int *>(smem + L::OFF_MPRE);
+    if (n_experts < 1 || n_experts > L::MAX_EXPERTS || (bm != 64 && bm != 128) || k_dim == 0 ||
+        k_dim % L::BK || n_cols == 0 || n_cols % L::BN)
+        return false;
+    if (base & 1023)
+        __trap();                                   // the swizzled stages need 1024-byte alignment
+    const uint32_t full = base + L::OFF_BAR, empty = full + 8 * L::STAGES;
+    const uint32_t staged = empty + 8 * L::STAGES, freed = staged + 8;
+    if (tid == 0) {
+        int m = 0;
+        mpre[0] = 0;
+        for (int e = 0; e < n_experts; ++e) {
+            const int r = offs[e + 1] - offs[e];
+            m += r > 0 ? (r + (int)bm - 1) / (int)bm : 0;
+            mpre[e + 1] = m;
+        }
+        for (int s = 0; s < L::STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 8);            // one arrive per consumer warp
+        }
+        mbar_init(staged, 256);                     // every consumer thread, after its stores
+        mbar_init(freed, L::SEND_WARPS);            // one arrive per send warp
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if (warp >= 1 && warp <= L::SEND_WARPS) {
+        P3SendAcct *a = reinterpret_cast<P3SendAcct *>(smem + L::OFF_ACCT) + (warp - 1);
+        if (lane == 0) {
+            a->expert = -1;
+            a->ready = 0;
+            a->units = 0;
+        }
+        if (lane < P3_MAX_RANKS)
+            a->pair[lane] = 0;
+    }
+    __syncthreads();
+    return true;
+}
+
+// The producer (one thread), after it has prefetched the tensor maps: for every tile of this
+// CTA and k-block, waits for the ring's next stage to be free and loads A (BM x BK) and B
+// (BN x BK) into it, and what more(stage, its full barrier, tile, k-block) loads with them:
+// tx bytes in all, counted on the stage's full barrier.
+template <class L, class More>
+__device__ __forceinline__ void produce(uint32_t base, const TmaMap *tmap_a, const TmaMap *tmap_b, uint32_t tx,
+                                        int total, int n_tiles, int n_experts, const int *mpre, const int *offs,
+                                        int bm, uint32_t n_cols, int kblocks, More more)
+{
+    const uint32_t full = base + L::OFF_BAR, empty = full + 8 * L::STAGES;
+    uint32_t s = 0, ph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const Tile T = grouped_tile(t, n_tiles, n_experts, mpre, offs, bm, L::BN);
+        const int brow = T.e * (int)n_cols + T.n0;
+        for (int kb = 0; kb < kblocks; ++kb) {
+            mbar_wait(empty + 8 * s, ph ^ 1);
+            mbar_expect_tx(full + 8 * s, tx);
+            tma_load(base + s * L::A_STAGE, tmap_a, full + 8 * s, kb * L::BK, T.m0);
+            tma_load(base + L::OFF_B + s * L::B_STAGE, tmap_b, full + 8 * s, kb * L::BK, brow);
+            more(s, full + 8 * s, T, kb);
+            if (++s == L::STAGES) {
+                s = 0;
+                ph ^= 1;
+            }
+        }
+    }
+}
+
+// One wgmma k-step of a consumer warpgroup, D[64 x WN] (+)= A[64 x k] * B[WN x k]^T over 32 bytes
+// of K (16 bf16 or 32 e4m3) from shared memory: declared here, specialised by each kernel.
+template <int WN> __device__ __forceinline__ void wgmma_kstep(float (&d)[WN / 2], uint64_t da, uint64_t db, int sd);
+
+// A consumer warpgroup's wgmmas of one k-block, once its stage s is full (phase ph): A and B
+// from the stage at this warpgroup's a_off / b_off, into acc (added to it, except in the
+// k-block's first k-step when acc_kb is 0: a fresh accumulator); committed, not waited for.
+template <class L, int WN>
+__device__ __forceinline__ void mma_kblock(float (&acc)[WN / 2], uint32_t base, uint32_t full, uint32_t s,
+                                           uint32_t ph, uint32_t a_off, uint32_t b_off, int acc_kb)
+{
+    mbar_wait(full + 8 * s, ph);
+    const uint64_t da = sw128_desc(base + s * L::A_STAGE + a_off);
+    const uint64_t db = sw128_desc(base + L::OFF_B + s * L::B_STAGE + b_off);
+    fence_acc(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < L::KSTEPS; ++k)
+        wgmma_kstep<WN>(acc, da + 2 * k, db + 2 * k, (acc_kb | k) != 0);
+    wgmma_commit();
+}
+
+// A consumer thread's part of a finished tile (its WN / 2 fp32 values of rows r and r + 8,
+// in wgmma's accumulator order) as bf16 into the staged tile at stg, once the send warps have
+// released the previous tile (tile i of this CTA); then arrives on `staged`.
+template <class L, int WN>
+__device__ __forceinline__ void stage_tile(const float (&v)[WN / 2], uint32_t stg, uint32_t staged, uint32_t freed,
+                                           uint32_t i)
+{
+    mbar_wait(freed, (i & 1) ^ 1);                  // the send warps are done with the previous tile
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+        asm volatile("st.shared.u32 [%0], %1;" :: "r"(stg + j * 16), "r"(pack_bf16(v[4 * j], v[4 * j + 1]))
+                     : "memory");
+        asm volatile("st.shared.u32 [%0], %1;" :: "r"(stg + 8 * L::STG_PITCH + j * 16),
+                     "r"(pack_bf16(v[4 * j + 2], v[4 * j + 3])) : "memory");
+    }
+    mbar_arrive(staged);                            // release: the send warps read the tile next
+}
+
+// A send warp (warp_rank 0..SEND_WARPS-1): every staged tile of this CTA, its share of the
+// rows, to C (send off: ctx->p3_control < 0 or cfg.n_ranks == 0; 16-byte stores, a row of
+// 2*BN bytes per 2*BN/16 lanes) or to the rows' owners through p3_send_rows (send on), then
+// releases the staging buffer. n_ranks: cfg.n_ranks, as the kernel loads it.
+template <class L>
+__device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, int64_t n_ranks, const P3SendCtx *ctx,
+                                          uint8_t *c_ptr, uint64_t c_row_stride, uint32_t base, int warp_rank,
+                                          int lane, int total, int n_tiles, int n_experts, int bm, const int *offs)
+{
+    const bool send = ctx->p3_control >= 0 && n_ranks != 0;        // else the plain GEMM writes C
+    // the send-off stores: ROW_LANES lanes (1 << ROW_SHIFT) per row, WARP_ROWS rows per warp and step
+    constexpr int ROW_SHIFT = L::BN == 256 ? 5 : 4, ROW_LANES = 1 << ROW_SHIFT, WARP_ROWS = 32 / ROW_LANES;
+    static_assert(2 * L::BN == 16 * ROW_LANES, "the send-off stores take 256 or 128 columns per tile");
+    const int *mp = reinterpret_cast<const int *>(smem + L::OFF_MPRE);
+    P3SendAcct *acct = reinterpret_cast<P3SendAcct *>(smem + L::OFF_ACCT) + warp_rank;
+    const uint32_t staged = base + L::OFF_BAR + 16 * L::STAGES, freed = staged + 8;
+    const uint32_t stg = base + L::OFF_STG;
+    if (send && warp_rank == 0) {                   // an expert with no rows: one warp publishes 0
+        for (int e = blockIdx.x; e < n_experts; e += gridDim.x) {
+            if (offs[e + 1] != offs[e])
+                continue;
+            if (lane == 0)
+                acct->expert = e;
+            __syncwarp();
+            p3_send_flush(cfg, ctx, acct);
+        }
+    }
+    uint32_t i = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
+        const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, L::BN);
+        if (send) {
+            // called before the tile is staged: p3_send_rows checks and resolves the rows
+            // while the consumers finish the tile, then waits on `staged` (acct.ready)
+            if (lane == 0)
+                acct->ready = staged | P3_READY | (i & 1);
+            p3_send_rows(cfg, ctx, acct, stg, L::STG_PITCH, T.m0, T.rows, 2u * T.n0, 2 * L::BN, T.e, warp_rank,
+                         L::SEND_WARPS);
+        } else {
+            mbar_wait(staged, i & 1);
+            // a whole warp per row: the lane as it is (lane >> 5 and lane & 31 would change the PTX)
+            const int r0 = WARP_ROWS == 1 ? warp_rank : WARP_ROWS * warp_rank + (lane >> ROW_SHIFT);
+            for (int r = r0; r < T.rows; r += WARP_ROWS * L::SEND_WARPS) {
+                uint32_t v0, v1, v2, v3;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                             : "r"(stg + r * L::STG_PITCH + (WARP_ROWS == 1 ? lane : lane & (ROW_LANES - 1)) * 16)
+                             : "memory");
+                uint8_t *dst = c_ptr + (uint64_t)(T.m0 + r) * c_row_stride + 2u * T.n0 +
+                               (WARP_ROWS == 1 ? lane : lane & (ROW_LANES - 1)) * 16;
+                asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                             :: "l"(dst), "r"(v0), "r"(v1), "r"(v2), "r"(v3) : "memory");
+            }
+        }
+        __syncwarp();
+        if (lane == 0)
+            mbar_arrive(freed);
+        // the expert's last tile in this CTA: flush now (while the consumers run the next
+        // tile), not when the next staged tile shows another expert; so the last tile's
+        // send is followed by one flush only
+        if (send && (t + (int)gridDim.x >= total ||
+                     grouped_tile(t + gridDim.x, n_tiles, n_experts, mp, offs, bm, L::BN).e != T.e))
+            p3_send_flush(cfg, ctx, acct);
+    }
 }

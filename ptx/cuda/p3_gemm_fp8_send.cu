@@ -23,10 +23,12 @@
 // (one per k-block: the tile's 128 columns are one scale block) is read with ld.global.nc two
 // k-blocks ahead. Rows past an expert's end are computed and masked, as in the bf16 kernel.
 //
-// Epilogue: exactly the bf16 kernel's (p3_gemm_send.cu) with 128-column tiles: the consumers
-// stage the tile as bf16 (272-byte rows: conflict-free), three send warps store the valid rows
-// into C (send off: ctx->p3_control < 0 or cfg.n_ranks == 0) or send them with p3_send_rows /
-// p3_send_flush (seg_bytes 256 per column tile), overlapped with the next tile's mainloop.
+// Epilogue: the bf16 kernel's (p3_gemm_send.cu), the same code (p3_gemm_common.cuh), with
+// 128-column tiles: the consumers stage the tile as bf16 (272-byte rows: conflict-free), three
+// send warps store the valid rows into C (send off: ctx->p3_control < 0 or cfg.n_ranks == 0)
+// or send them with p3_send_rows / p3_send_flush (seg_bytes 256 per column tile), overlapped
+// with the next tile's mainloop. The set-up, the producer's A and B loads and a consumer's
+// wgmmas of a k-block are the shared ones too.
 //
 // Variant for measurement only (-DP3F_NO_PROMOTE, tools/build_gemm_fp8.py --variant): the
 // tensor cores accumulate all of K with the last k-block's scales applied once (wrong unless
@@ -88,33 +90,16 @@
 // TIMEOUT none: never waits on another kernel or GPU (mbarrier waits are on its own copies).
 //
 // ---- end ptx/p3_gemm_fp8_send.ptx header ----
-#include <stdint.h>
-#include <cuda_bf16.h>
-#include "p3_gemm_common.cuh"
-#include "../p3send.h"
+#include "p3_gemm_common.cuh"                     // and ../p3send.h
 
-#define P3F_BN 128                                                // output columns per tile (one scale block)
-#define P3F_BK 128                                                // K per stage: one scale block, 128 bytes of e4m3
-#define P3F_STAGES 5
-#define P3F_THREADS 384
-#define P3F_MAX_EXPERTS 128
-#define P3F_SEND_WARPS 3                                          // warps 1..3 of warpgroup 0
-#define P3F_STG_PITCH (2 * P3F_BN + 16)                           // bytes per staged row (padded: no bank conflicts)
-#define P3F_A_STAGE (128 * P3F_BK)                                // 16 KiB (BM = 64 uses half)
-#define P3F_B_STAGE (P3F_BN * P3F_BK)                             // 16 KiB
-#define P3F_SA_STAGE 640                                          // a stage of activation scales: (BM + 4) floats, 128-byte aligned
-#define P3F_OFF_B (P3F_STAGES * P3F_A_STAGE)
-#define P3F_OFF_STG (P3F_OFF_B + P3F_STAGES * P3F_B_STAGE)
-#define P3F_OFF_SA (P3F_OFF_STG + 128 * P3F_STG_PITCH)
-#define P3F_OFF_BAR (P3F_OFF_SA + P3F_STAGES * P3F_SA_STAGE)      // full[S], empty[S], staged, freed
-#define P3F_OFF_ACCT (P3F_OFF_BAR + (2 * P3F_STAGES + 2) * 8)
-#define P3F_OFF_MPRE (P3F_OFF_ACCT + P3F_SEND_WARPS * 48)
-#define P3F_SMEM (P3F_OFF_MPRE + 4 * (P3F_MAX_EXPERTS + 1))      // 202612 (sm_90 opt-in: 232448)
-
-extern __shared__ __align__(1024) uint8_t smem[];               // the layout: P3F_OFF_*
+// 128 columns per tile and 128 e4m3 per k-block (one scale block each), 5 stages; after the
+// staged tile, the stages of activation scales: (BM + 4) floats, 128-byte aligned, each
+constexpr int SA_STAGE = 640;
+using Layout = GemmLayout<128, 128, 1, 5, 5 * SA_STAGE>;
+static_assert(Layout::SMEM == 202612, "the dynamic shared memory of the PTX header's LAUNCH and of GroupedGemmFp8Send");
 
 // D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, e4m3 from shared memory, K-major, 128-byte swizzle.
-__device__ __forceinline__ void wgmma_e4m3_128(float (&d)[64], uint64_t da, uint64_t db, int scale_d)
+template <> __device__ __forceinline__ void wgmma_kstep<128>(float (&d)[64], uint64_t da, uint64_t db, int scale_d)
 {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -126,7 +111,7 @@ __device__ __forceinline__ void wgmma_e4m3_128(float (&d)[64], uint64_t da, uint
 }
 
 // D[64 x 64] (+)= A[64 x 32] * B[64 x 32]^T, e4m3 from shared memory, K-major, 128-byte swizzle.
-__device__ __forceinline__ void wgmma_e4m3_64(float (&d)[32], uint64_t da, uint64_t db, int scale_d)
+template <> __device__ __forceinline__ void wgmma_kstep<64>(float (&d)[32], uint64_t da, uint64_t db, int scale_d)
 {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -137,16 +122,6 @@ __device__ __forceinline__ void wgmma_e4m3_64(float (&d)[32], uint64_t da, uint6
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
-template <int WN> __device__ __forceinline__ void wgmma_k32(float (&d)[WN / 2], uint64_t da, uint64_t db, int sd);
-template <> __device__ __forceinline__ void wgmma_k32<128>(float (&d)[64], uint64_t da, uint64_t db, int sd)
-{
-    wgmma_e4m3_128(d, da, db, sd);
-}
-template <> __device__ __forceinline__ void wgmma_k32<64>(float (&d)[32], uint64_t da, uint64_t db, int sd)
-{
-    wgmma_e4m3_64(d, da, db, sd);
-}
-
 // A consumer warpgroup: the mainloop of every tile of this CTA with the promotion, then its
 // sums as bf16 into the staged tile (after the send warps have released the previous one).
 template <int WN>
@@ -155,18 +130,18 @@ __device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane
                                          int n_col_blocks)
 {
     float acc[WN / 2], sum[WN / 2];
-    const int *mp = reinterpret_cast<const int *>(smem + P3F_OFF_MPRE);
-    const uint32_t a_off = WN == 128 ? wg * 64 * P3F_BK : 0;  // this warpgroup's rows of an A stage
-    const uint32_t b_off = WN == 128 ? 0 : wg * 64 * P3F_BK;  // this warpgroup's rows of a B stage
+    const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
+    const uint32_t a_off = WN == 128 ? wg * 64 * Layout::BK : 0;  // this warpgroup's rows of an A stage
+    const uint32_t b_off = WN == 128 ? 0 : wg * 64 * Layout::BK;  // this warpgroup's rows of a B stage
     const int row_off = WN == 128 ? wg * 64 : 0, col_off = WN == 128 ? 0 : wg * 64;
     const int r0 = row_off + wq * 16 + (lane >> 2);           // this thread's tile rows: r0 and r0 + 8
-    const uint32_t full = base + P3F_OFF_BAR, empty = full + 8 * P3F_STAGES;
-    const uint32_t staged = empty + 8 * P3F_STAGES, freed = staged + 8;
-    const uint32_t stg = base + P3F_OFF_STG + r0 * P3F_STG_PITCH + 2 * col_off + (lane & 3) * 4;
+    const uint32_t full = base + Layout::OFF_BAR, empty = full + 8 * Layout::STAGES;
+    const uint32_t staged = empty + 8 * Layout::STAGES, freed = staged + 8;
+    const uint32_t stg = base + Layout::OFF_STG + r0 * Layout::STG_PITCH + 2 * col_off + (lane & 3) * 4;
     uint32_t s = 0, ph = 0, i = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
-        const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, P3F_BN);
-        const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / P3F_BN) * kblocks;
+        const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
+        const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / Layout::BN) * kblocks;
         float sb_cur = __ldg(sbt), sb_next = kblocks > 1 ? __ldg(sbt + 1) : 0.0f;
 #pragma unroll
         for (int j = 0; j < WN / 2; ++j)
@@ -176,22 +151,14 @@ __device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane
         float s0 = 0.0f, s1 = 0.0f;
 #endif
         for (int kb = 0; kb < kblocks; ++kb) {
-            mbar_wait(full + 8 * s, ph);
-            const uint64_t da = sw128_desc(base + s * P3F_A_STAGE + a_off);
-            const uint64_t db = sw128_desc(base + P3F_OFF_B + s * P3F_B_STAGE + b_off);
-            fence_acc(acc);
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < P3F_BK / 32; ++k)
 #ifdef P3F_NO_PROMOTE
-                wgmma_k32<WN>(acc, da + 2 * k, db + 2 * k, (kb | k) != 0);
+            mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, kb);
 #else
-                wgmma_k32<WN>(acc, da + 2 * k, db + 2 * k, k != 0);
+            mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);   // a fresh sum per k-block
 #endif
-            wgmma_commit();
             // this thread's rows' activation scales, read before the stage is released (the
             // stage holds rows from m0 rounded down to 4: see the producer)
-            const uint32_t sa_addr = base + P3F_OFF_SA + s * P3F_SA_STAGE + 4 * (r0 + (T.m0 & 3));
+            const uint32_t sa_addr = base + Layout::OFF_EXTRA + s * SA_STAGE + 4 * (r0 + (T.m0 & 3));
             float sa0, sa1;
             asm volatile("ld.shared.f32 %0, [%1];" : "=f"(sa0) : "r"(sa_addr) : "memory");
             asm volatile("ld.shared.f32 %0, [%1];" : "=f"(sa1) : "r"(sa_addr + 32) : "memory");
@@ -222,7 +189,7 @@ __device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane
                 sum[4 * j + 3] = fmaf(acc[4 * j + 3], s1, sum[4 * j + 3]);
             }
 #endif
-            if (++s == P3F_STAGES) {
+            if (++s == Layout::STAGES) {
                 s = 0;
                 ph ^= 1;
             }
@@ -240,74 +207,11 @@ __device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane
             sum[4 * j + 3] = acc[4 * j + 3] * s1;
         }
 #endif
-        mbar_wait(freed, (i & 1) ^ 1);              // the send warps are done with the previous tile
-#pragma unroll
-        for (int j = 0; j < WN / 8; ++j) {
-            asm volatile("st.shared.u32 [%0], %1;" :: "r"(stg + j * 16), "r"(pack_bf16(sum[4 * j], sum[4 * j + 1]))
-                         : "memory");
-            asm volatile("st.shared.u32 [%0], %1;" :: "r"(stg + 8 * P3F_STG_PITCH + j * 16),
-                         "r"(pack_bf16(sum[4 * j + 2], sum[4 * j + 3])) : "memory");
-        }
-        mbar_arrive(staged);                        // release: the send warps read the tile next
+        stage_tile<Layout, WN>(sum, stg, staged, freed, i);
     }
 }
 
-// A send warp (warp_rank 0..2): every staged tile of this CTA, its share of the rows, to C
-// (send off) or to the rows' owners through p3_send_rows, then releases the staging buffer.
-__device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, const P3SendCtx *ctx, uint8_t *c_ptr,
-                                          uint64_t c_row_stride, uint32_t base, int warp_rank, int lane,
-                                          int total, int n_tiles, int n_experts, int bm, bool send,
-                                          const int *offs)
-{
-    const int *mp = reinterpret_cast<const int *>(smem + P3F_OFF_MPRE);
-    P3SendAcct *acct = reinterpret_cast<P3SendAcct *>(smem + P3F_OFF_ACCT) + warp_rank;
-    const uint32_t staged = base + P3F_OFF_BAR + 16 * P3F_STAGES, freed = staged + 8;
-    const uint32_t stg = base + P3F_OFF_STG;
-    if (send && warp_rank == 0) {                   // an expert with no rows: one warp publishes 0
-        for (int e = blockIdx.x; e < n_experts; e += gridDim.x) {
-            if (offs[e + 1] != offs[e])
-                continue;
-            if (lane == 0)
-                acct->expert = e;
-            __syncwarp();
-            p3_send_flush(cfg, ctx, acct);
-        }
-    }
-    uint32_t i = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
-        const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, P3F_BN);
-        if (send) {
-            // called before the tile is staged: p3_send_rows checks and resolves the rows
-            // while the consumers finish the tile, then waits on `staged` (acct.ready)
-            if (lane == 0)
-                acct->ready = staged | P3_READY | (i & 1);
-            p3_send_rows(cfg, ctx, acct, stg, P3F_STG_PITCH, T.m0, T.rows, 2u * T.n0, 2 * P3F_BN, T.e, warp_rank,
-                         P3F_SEND_WARPS);
-        } else {
-            mbar_wait(staged, i & 1);
-            // a 256-byte row per half-warp: two rows per warp and step
-            for (int r = 2 * warp_rank + (lane >> 4); r < T.rows; r += 2 * P3F_SEND_WARPS) {
-                uint32_t v0, v1, v2, v3;
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                             : "r"(stg + r * P3F_STG_PITCH + (lane & 15) * 16) : "memory");
-                uint8_t *dst = c_ptr + (uint64_t)(T.m0 + r) * c_row_stride + 2u * T.n0 + (lane & 15) * 16;
-                asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
-                             :: "l"(dst), "r"(v0), "r"(v1), "r"(v2), "r"(v3) : "memory");
-            }
-        }
-        __syncwarp();
-        if (lane == 0)
-            mbar_arrive(freed);
-        // the expert's last tile in this CTA: flush now (while the consumers run the next
-        // tile), so the last tile's send is followed by one flush only
-        if (send && (t + (int)gridDim.x >= total ||
-                     grouped_tile(t + gridDim.x, n_tiles, n_experts, mp, offs, bm, P3F_BN).e != T.e))
-            p3_send_flush(cfg, ctx, acct);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(P3F_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(Layout::THREADS, 1)
 p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, const TmaMap *tmaps,
                  const float *sb, uint8_t *c_ptr, uint64_t c_row_stride, uint32_t n_cols, uint32_t k_dim,
                  uint32_t bm)
@@ -317,44 +221,12 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
     const TmaMap *tmap_a = tmaps, *tmap_b = tmaps + 1, *tmap_sa = tmaps + 2;
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    int *mpre = reinterpret_cast<int *>(smem + P3F_OFF_MPRE);
+    const int *mpre = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
     const int *offs = reinterpret_cast<const int *>(ctx->expert_offsets);
     const int n_experts = (int)ctx->n_experts;
-    if (n_experts < 1 || n_experts > P3F_MAX_EXPERTS || (bm != 64 && bm != 128) || k_dim == 0 ||
-        k_dim % P3F_BK || n_cols == 0 || n_cols % P3F_BN)
+    if (!gemm_setup<Layout>(base, tid, offs, n_experts, n_cols, k_dim, bm))
         return;                                     // the launcher refuses these before launch
-    if (base & 1023)
-        __trap();                                   // the swizzled stages need 1024-byte alignment
-    const uint32_t full = base + P3F_OFF_BAR, empty = full + 8 * P3F_STAGES;
-    const uint32_t staged = empty + 8 * P3F_STAGES, freed = staged + 8;
-    if (tid == 0) {
-        int m = 0;
-        mpre[0] = 0;
-        for (int e = 0; e < n_experts; ++e) {
-            const int r = offs[e + 1] - offs[e];
-            m += r > 0 ? (r + (int)bm - 1) / (int)bm : 0;
-            mpre[e + 1] = m;
-        }
-        for (int s = 0; s < P3F_STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 8);            // one arrive per consumer warp
-        }
-        mbar_init(staged, 256);                     // every consumer thread, after its stores
-        mbar_init(freed, P3F_SEND_WARPS);           // one arrive per send warp
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    if (warp >= 1 && warp <= P3F_SEND_WARPS) {
-        P3SendAcct *a = reinterpret_cast<P3SendAcct *>(smem + P3F_OFF_ACCT) + (warp - 1);
-        if (lane == 0) {
-            a->expert = -1;
-            a->ready = 0;
-            a->units = 0;
-        }
-        if (lane < P3_MAX_RANKS)
-            a->pair[lane] = 0;
-    }
-    __syncthreads();
-    const int n_tiles = (int)(n_cols / P3F_BN), kblocks = (int)(k_dim / P3F_BK);
+    const int n_tiles = (int)(n_cols / Layout::BN), kblocks = (int)(k_dim / Layout::BK);
     const int total = mpre[n_experts] * n_tiles;
 
     if (warp == 0) {                                // the producer: one thread issues every copy
@@ -362,35 +234,23 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
             asm volatile("prefetch.tensormap [%0];" :: "l"((uint64_t)tmap_a) : "memory");
             asm volatile("prefetch.tensormap [%0];" :: "l"((uint64_t)tmap_b) : "memory");
             asm volatile("prefetch.tensormap [%0];" :: "l"((uint64_t)tmap_sa) : "memory");
-            const uint32_t tx = bm * P3F_BK + P3F_B_STAGE + (bm + 4) * 4;
-            uint32_t s = 0, ph = 0;
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const Tile T = grouped_tile(t, n_tiles, n_experts, mpre, offs, (int)bm, P3F_BN);
-                const int brow = T.e * (int)n_cols + T.n0;
-                for (int kb = 0; kb < kblocks; ++kb) {
-                    mbar_wait(empty + 8 * s, ph ^ 1);
-                    mbar_expect_tx(full + 8 * s, tx);
-                    tma_load(base + s * P3F_A_STAGE, tmap_a, full + 8 * s, kb * P3F_BK, T.m0);
-                    tma_load(base + P3F_OFF_B + s * P3F_B_STAGE, tmap_b, full + 8 * s, kb * P3F_BK, brow);
-                    // the scales' inner coordinate must be 16-byte aligned (an unaligned one
-                    // is an illegal instruction): BM + 4 rows from m0 rounded down to 4
-                    tma_load(base + P3F_OFF_SA + s * P3F_SA_STAGE, tmap_sa, full + 8 * s, T.m0 & ~3, kb);
-                    if (++s == P3F_STAGES) {
-                        s = 0;
-                        ph ^= 1;
-                    }
-                }
-            }
+            // with A and B, the tile's activation scales: their inner coordinate must be 16-byte
+            // aligned (an unaligned one is an illegal instruction), so BM + 4 rows from m0 rounded
+            // down to 4
+            const auto scales = [base, tmap_sa](uint32_t s, uint32_t full_s, const Tile &T, int kb) {
+                tma_load(base + Layout::OFF_EXTRA + s * SA_STAGE, tmap_sa, full_s, T.m0 & ~3, kb);
+            };
+            produce<Layout>(base, tmap_a, tmap_b, bm * Layout::BK + Layout::B_STAGE + (bm + 4) * 4, total, n_tiles,
+                            n_experts, mpre, offs, (int)bm, n_cols, kblocks, scales);
         }
-    } else if (warp <= P3F_SEND_WARPS) {
+    } else if (warp <= Layout::SEND_WARPS) {
         int64_t n_ranks;                            // cfg.n_ranks, loaded as [cfg+88] (tools/build_gemm_fp8.py names it)
         asm("ld.param.s64 %0, [p3_gemm_fp8_send_param_0+88];" : "=l"(n_ranks));
-        const bool send = ctx->p3_control >= 0 && n_ranks != 0;        // else the plain GEMM writes C
-        send_warp(&cfg, ctx, c_ptr, c_row_stride, base, warp - 1, lane, total, n_tiles, n_experts, (int)bm, send,
-                  offs);
+        send_warp<Layout>(&cfg, n_ranks, ctx, c_ptr, c_row_stride, base, warp - 1, lane, total, n_tiles, n_experts,
+                          (int)bm, offs);
     } else {
         const int wg = warp / 4 - 1, wq = warp % 4;
-        const int ncb = (int)(n_cols / P3F_BN);
+        const int ncb = (int)(n_cols / Layout::BN);
         if (bm == 128)
             consumer<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
         else

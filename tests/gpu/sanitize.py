@@ -21,7 +21,8 @@ from p3send.oracle.cases import (
     world_case,
 )
 from tests.gpu.conftest import assert_send_exact, run_send
-from tests.gpu.test_gemm import FusedSender, GemmProblem, _check_c, _gated
+from tests.gpu.gemm_common import gated_then_fused
+from tests.gpu.test_gemm import GemmProblem, _check_c
 
 
 def main() -> int:
@@ -81,10 +82,7 @@ def main() -> int:
     # byte-exact to the oracle of that C, for a few edge families and both tile heights
     for i, (family, bm) in enumerate((("masked_experts", 128), ("skewed", 64), ("modulo", 128))):
         prob = GemmProblem(family, 4242 + i, n_cols=256, k_dim=128)
-        c = _gated(dev, prob, bm)
-        _check_c(prob, c)
-        prob.case.c = c
-        assert_send_exact(run_send(dev, prob.case, sender_factory=lambda cs, p=prob, b=bm: FusedSender(dev, p, b)))
+        gated_then_fused(dev, prob, bm, _check_c)
         print("gemm ok", prob.case, f"bm={bm}", flush=True)
     print("sanitize cases: all results correct")
     return 0

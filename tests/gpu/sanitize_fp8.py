@@ -12,8 +12,8 @@ import sys
 import numpy as np
 
 from p3send.oracle import fp8
-from tests.gpu.conftest import assert_send_exact, run_send
-from tests.gpu.test_gemm_fp8 import Fp8Problem, FusedSender, _check_c, _gated, edge_rows, run_quant
+from tests.gpu.gemm_common import gated_then_fused
+from tests.gpu.test_gemm_fp8 import Fp8Problem, _check_c, edge_rows, run_quant
 
 
 def main() -> int:
@@ -26,10 +26,7 @@ def main() -> int:
     print("quant ok", flush=True)
     for i, (family, bm, align) in enumerate((("masked_experts", 128, 128), ("skewed", 64, 1))):
         prob = Fp8Problem(family, 4242 + i, n_cols=128, k_dim=256, align=align)
-        c = _gated(dev, prob, bm)
-        _check_c(prob, c)
-        prob.case.c = c
-        assert_send_exact(run_send(dev, prob.case, sender_factory=lambda cs, p=prob, b=bm: FusedSender(dev, p, b)))
+        gated_then_fused(dev, prob, bm, _check_c)
         print("gemm fp8 ok", prob.case, f"bm={bm}", flush=True)
     print("sanitize fp8 cases: all results correct")
     return 0

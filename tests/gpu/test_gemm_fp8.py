@@ -22,27 +22,27 @@ import numpy as np
 import pytest
 
 from p3send import P3PeerSendConfig
-from p3send.abi.errors import ConfigError, P3SendError
-from p3send.abi.layout import SENTINEL, encode_range_table
+from p3send.abi.errors import ConfigError
+from p3send.abi.layout import SENTINEL
 from p3send.cuda import driver
 from p3send.ops.gemm_fp8 import GroupedGemmFp8Send
 from p3send.ops.quant import QuantFp8, scale_layout
 from p3send.oracle import fp8
 from p3send.oracle.cases import FAMILIES, send_case
-from p3send.oracle.reference import bf16_to_f32, f32_to_bf16
+from p3send.oracle.reference import f32_to_bf16
 
-from .conftest import assert_send_exact, fresh_seed, run_send
+from .conftest import fresh_seed
+from .gemm_common import (assert_c_untouched_outside, assert_fused_equals_gated_then_scatter_send,
+                          assert_linked_route_is_byte_exact, assert_send_off_writes_c_only, c_error, gated_then_fused,
+                          hopper_or_skip, tile_edge_routing)
+from .gemm_common import gated as _gated
 
 SCALE_SENTINEL = np.uint32(0x7FBADBAD)     # a NaN no arithmetic writes: untouched padding shows
 
 
 @pytest.fixture(scope="module")
 def hopper(dev):
-    if tuple(dev.cc) != (9, 0):
-        with pytest.raises(P3SendError, match="Hopper-only"):
-            GroupedGemmFp8Send(1, device=dev)
-        pytest.skip(f"p3_gemm_fp8_send needs sm_90; {dev.name} is sm_{dev.cc[0]}{dev.cc[1]} (refusal checked)")
-    return dev
+    return hopper_or_skip(dev, GroupedGemmFp8Send, "p3_gemm_fp8_send")
 
 
 # ---------------------------------------------------------------- the quantiser
@@ -150,6 +150,8 @@ class Fp8Problem:
     bf16 random rows through the numpy quantiser, the weights random e4m3 codes with random
     block scales; ``align`` 128 re-lays the case in DeepGEMM's contiguous layout."""
 
+    launcher = GroupedGemmFp8Send
+
     def __init__(self, family: str, seed: int, n_cols: int, k_dim: int, align: int = 1):
         case = send_case(family, seed)
         if align > 1:
@@ -172,53 +174,12 @@ class Fp8Problem:
           k_dim=self.k_dim, c_row_stride=self.stride, expert_align=self.align, **kw)
 
 
-def _gated(dev, prob: Fp8Problem, bm: int, linked: bool = False) -> np.ndarray:
-    """The plain GEMM's C as uint8 (rows, stride), pre-filled with the sentinel."""
-    c = driver.DeviceBuffer(prob.rows * prob.stride, fill=SENTINEL)
-    bufs = prob.upload()
-    g = GroupedGemmFp8Send(prob.case.n_experts, device=dev, linked=linked)
-    try:
-        prob.call(g, P3PeerSendConfig.disabled(), bufs, c, bm=bm)
-        return c.download().reshape(prob.rows, prob.stride)
-    finally:
-        g.close()
-        for b in [c, *bufs]:
-            b.free()
-
-
-class FusedSender:
-    """run_send's sender interface over GroupedGemmFp8Send with the send on."""
-
-    def __init__(self, dev, prob: Fp8Problem, bm: int, linked: bool = False):
-        self.prob, self.bm = prob, bm
-        self.g = GroupedGemmFp8Send(prob.case.n_experts, device=dev, linked=linked)
-        self.grid, self.state = self.g.grid, self.g.state
-        self.bufs = prob.upload()
-
-    def __call__(self, cfg, c, case, *, stream, count_ptrs, row_cache, p3_control):
-        for _ in range(2):   # twice: the sender state resets itself, the counts are republished
-            self.prob.call(self.g, cfg, self.bufs, c, bm=self.bm, count_ptrs=count_ptrs, row_cache=row_cache,
-                           p3_control=p3_control, stream=stream)
-            driver.device().synchronize()
-
-    def diagnostics(self):
-        d = self.g.diagnostics()
-        return {k: (v // 2 if k != "rejected" else v) for k, v in d.items()}   # two launches
-
-    def close(self):
-        self.g.close()
-        for b in self.bufs:
-            b.free()
-
-
 def _check_c(prob: Fp8Problem, got: np.ndarray) -> dict:
     """C within the derived bound of the float64 result, untouched outside; returns the
     observed error as fractions of the bound and the relative norm."""
     case = prob.case
     ref, bound = fp8.grouped_gemm(prob.qa, prob.sa, prob.qb, prob.sb, case.expert_offsets, with_bound=True)
-    c = bf16_to_f32(got[:, :2 * prob.n_cols].copy().view(np.uint16)).astype(np.float64)
-    inside = ~np.isnan(ref[:, 0])
-    err = np.abs(c - ref)[inside]
+    c, inside, err = c_error(prob, got, ref)
     bad = np.argwhere(~(err <= bound[inside]))
     if len(bad):
         at = tuple(bad[0])
@@ -226,8 +187,7 @@ def _check_c(prob: Fp8Problem, got: np.ndarray) -> dict:
                              f"{c[inside][at]}, want {ref[inside][at]} +- {bound[inside][at]}")
     rel = float(np.linalg.norm(err) / max(np.linalg.norm(ref[inside]), 1e-300)) if inside.any() else 0.0
     assert rel <= fp8.REL_NORM_LIMIT, f"{case}: ||C - R|| / ||R|| = {rel:.3g}"
-    assert (got[~inside] == SENTINEL).all(), f"{case}: rows outside every expert were written"
-    assert (got[:, 2 * prob.n_cols:] == SENTINEL).all(), f"{case}: the row padding of C was written"
+    assert_c_untouched_outside(prob, got, inside)
     return {"max_err_over_bound": float((err / bound[inside]).max()) if err.size else 0.0, "rel_norm": rel}
 
 
@@ -242,16 +202,7 @@ def test_fused_equals_gated_then_scatter_send(hopper, family, align):
     c = _gated(hopper, prob, bm)
     err = _check_c(prob, c)
     print(f"[fp8 error] {family} align={align} bm={bm}: {err}")
-    prob.case.c = c
-    row_cache = bool(rng.integers(2))
-    ref_run = run_send(hopper, prob.case, row_cache=row_cache)       # p3_scatter_send on that C
-    assert_send_exact(ref_run)
-    fused = run_send(hopper, prob.case, row_cache=False, sender_factory=lambda case: FusedSender(hopper, prob, bm))
-    assert_send_exact(fused)
-    for p, (a, b) in enumerate(zip(fused.recv, ref_run.recv)):
-        assert np.array_equal(a, b), f"{prob.case}: peer {p}: fused and p3_scatter_send differ"
-    for p, (a, b) in enumerate(zip(fused.counts, ref_run.counts)):
-        assert np.array_equal(a, b), f"{prob.case}: peer {p}: counts differ"
+    assert_fused_equals_gated_then_scatter_send(hopper, prob, c, bm, rng)
 
 
 @pytest.mark.parametrize("rows_per_expert", [(63, 64, 65, 0, 127), (128, 129, 1, 255, 256, 257)])
@@ -260,30 +211,11 @@ def test_tile_edges(hopper, rows_per_expert, bm):
     """Experts ending one row before, at and after a tile boundary (both tile heights), packed."""
     seed = fresh_seed("gemm fp8 tile edges")
     prob = Fp8Problem("random", seed, n_cols=256, k_dim=256)
-    case = prob.case
-    rpe = np.array(rows_per_expert)
-    off = np.concatenate([[0], np.cumsum(rpe)]).astype(np.int32)
-    n_ranks = case.n_ranks
-    counts = np.zeros((len(rpe), n_ranks), np.int64)
-    rng = np.random.default_rng(seed)
-    for e, n in enumerate(rpe):
-        cut = np.sort(rng.integers(0, n + 1, n_ranks - 1))
-        counts[e] = np.diff(np.concatenate([[0], cut, [n]]))
-    rows = int(off[-1])
-    top_k = case.top_k
-    max_tok = -(-rows // top_k) + 1
-    slots = rng.permutation(max_tok * top_k)[:rows]
-    case.expert_offsets, case.range_table = off, encode_range_table(off, counts)
-    case.p2p_world_size, case.max_tokens_per_rank = n_ranks, max_tok
-    case.src_info = np.stack([slots // top_k, slots % top_k], 1).astype(np.int32)
-    case.c = np.zeros((rows, prob.stride), np.uint8)
-    _, prob.qa, prob.sa, prob.qb, prob.sb = fp8.random_fp8_problem(np.random.default_rng(seed + 1), rows, len(rpe),
-                                                                    prob.n_cols, prob.k_dim)
+    rows = tile_edge_routing(prob, rows_per_expert, seed)
+    _, prob.qa, prob.sa, prob.qb, prob.sb = fp8.random_fp8_problem(np.random.default_rng(seed + 1), rows,
+                                                                    len(rows_per_expert), prob.n_cols, prob.k_dim)
     prob.rows = rows
-    c = _gated(hopper, prob, bm)
-    _check_c(prob, c)
-    case.c = c
-    assert_send_exact(run_send(hopper, case, sender_factory=lambda cs: FusedSender(hopper, prob, bm)))
+    gated_then_fused(hopper, prob, bm, _check_c)
 
 
 def test_quantiser_feeds_the_gemm(hopper):
@@ -321,23 +253,14 @@ def test_linked_route_is_byte_exact(hopper):
     """docs/EMBEDDING.md (c): the PTX linked with p3_send_rows.ptx by cuLink, not inlined."""
     seed = fresh_seed("gemm fp8 linked")
     prob = Fp8Problem("masked_experts", seed, n_cols=256, k_dim=256, align=128)
-    c = _gated(hopper, prob, 128)
-    assert np.array_equal(_gated(hopper, prob, 128, linked=True), c), "linked gated C differs from inlined"
-    prob.case.c = c
-    assert_send_exact(run_send(hopper, prob.case,
-                               sender_factory=lambda cs: FusedSender(hopper, prob, 128, linked=True)))
+    assert_linked_route_is_byte_exact(hopper, prob, 128)
 
 
 def test_send_off_writes_c_only(hopper):
     """p3_control < 0: C is written and no receive byte or count changes (MAX's gate)."""
     seed = fresh_seed("gemm fp8 gate")
     prob = Fp8Problem("random", seed, n_cols=128, k_dim=128)
-    prob.case.c = _gated(hopper, prob, 128)
-    r = run_send(hopper, prob.case, p3_control=-1, sender_factory=lambda cs: FusedSender(hopper, prob, 128))
-    for got in r.recv:
-        assert (got == SENTINEL).all()
-    for got in r.counts:
-        assert (got == np.uint64(0xFFFF_FFFF_FFFF_FFFF)).all()
+    assert_send_off_writes_c_only(hopper, prob)
 
 
 def test_bad_arguments_are_refused_before_launch(hopper):
