@@ -18,8 +18,6 @@ Optional: ``import p3send`` never imports this module or torch.
 """
 from __future__ import annotations
 
-import itertools
-
 try:
     import torch
 except ImportError as e:   # the optional dependency
@@ -27,12 +25,13 @@ except ImportError as e:   # the optional dependency
 
 import numpy as np
 
+from .abi.config import checked_int
 from .abi.errors import ConfigError
 from .cuda import driver
 from .ops.combine import Combine
-from .ops.dispatch import ArrayView, Dispatch
+from .ops.dispatch import ArrayView, Dispatch, release
 from .ops.gemm import GroupedGemmSend
-from .torch import TorchCombine
+from .torch import TorchCombine, device_ordinal, lookup, register, unregister
 
 __all__ = ["softmax_topk", "deepseek_v3_route", "TorchDispatch", "DispatchHandle", "MoELayer", "dispatch"]
 
@@ -71,10 +70,6 @@ def deepseek_v3_route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int = 
 
 # ---------------------------------------------------------------- the dispatch, DeepEP-like
 
-_objects: dict[int, object] = {}
-_handles = itertools.count(1)
-
-
 @torch.library.custom_op("p3send::dispatch", mutates_args=("recv_x", "recv_scales", "src_info", "expert_offsets",
                                                            "range_table", "expert_counts", "topk_out"))
 def dispatch(handle: int, x: torch.Tensor, topk_idx: torch.Tensor, scales: torch.Tensor, recv_x: torch.Tensor,
@@ -82,7 +77,7 @@ def dispatch(handle: int, x: torch.Tensor, topk_idx: torch.Tensor, scales: torch
              range_table: torch.Tensor, expert_counts: torch.Tensor, topk_out: torch.Tensor) -> None:
     """The dispatch of the ``TorchDispatch`` registered as ``handle`` on the current stream:
     x (R, T, H), topk_idx (R, T, K) in; the mutated tensors are that object's own outputs."""
-    obj = _objects.get(handle)
+    obj = lookup(handle, TorchDispatch)
     if obj is None:
         raise ConfigError([f"handle: no open p3send dispatch has handle {handle}"], "p3send::dispatch")
     obj.run(x, topk_idx, scales)
@@ -133,14 +128,24 @@ class TorchDispatch:
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  payload: str = "bf16", capacity: int | None = None, align: int = 1, expert_stride: int = 0,
                  zero_padding: bool | None = None, device=None, timeout_ms: float = 2000.0, combine: bool = True):
-        self.ordinal = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+        self.ordinal = device_ordinal(device)
         torch.cuda.init()
         self.dev = driver.device(self.ordinal)
+        self.tc, self.handle, self._key = None, None, None
         self.inner = Dispatch(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                               n_local_experts=n_local_experts, payload=payload, capacity=capacity, align=align,
                               expert_stride=expert_stride, zero_padding=zero_padding, device=self.dev,
                               timeout_ms=timeout_ms, inputs=False, stacked=True)
+        try:
+            self._views(combine, timeout_ms)
+        except BaseException as e:           # the Dispatch made above is freed with the failure
+            self._release(during=e)
+            raise
+        self.handle = register(self)
+
+    def _views(self, combine: bool, timeout_ms: float) -> None:
         self.shape = sh = self.inner.shape
+        n_ranks, payload = sh.n_ranks, sh.payload
         v, o = self.inner.stacked_views(), self.ordinal
         self.recv_x = _view(v["recv_x"], o, torch.bfloat16 if payload == "bf16" else torch.float8_e4m3fn)
         self.recv_scales = _view(v["recv_scales"], o, torch.float32)
@@ -150,12 +155,9 @@ class TorchDispatch:
         self.expert_counts = _view(v["expert_counts"], o, torch.int32)
         self.topk_out = _view(v["topk_idx"], o, torch.int32)
         self.no_scales = torch.empty(0, dtype=torch.float32, device=f"cuda:{o}")   # (bf16: no scales; aliases nothing)
-        self.tc = TorchCombine(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
-                               n_local_experts=n_local_experts, max_rows=max(sh.capacity, 1), device=o,
+        self.tc = TorchCombine(n_ranks, max_tokens=sh.max_tokens, top_k=sh.top_k, hidden=sh.hidden,
+                               n_local_experts=sh.n_local, max_rows=max(sh.capacity, 1), device=o,
                                timeout_ms=timeout_ms) if combine and payload == "bf16" else None
-        self._key = None
-        self.handle = next(_handles)
-        _objects[self.handle] = self
 
     def dispatch(self, x, topk_idx, topk_weights, scales=None):
         """See the class docstring. Returns (recv_x, DispatchHandle)."""
@@ -212,10 +214,13 @@ class TorchDispatch:
             self.tc.check()
 
     def close(self) -> None:
-        _objects.pop(self.handle, None)
-        if self.tc is not None:
-            self.tc.close()
-        self.inner.close()
+        """Free the dispatch's and the combine's buffers (the tensors over them then dangle):
+        every step is tried, the first failure raised after the last."""
+        self._release()
+
+    def _release(self, during: BaseException | None = None) -> None:
+        unregister(self.handle)
+        release(([self.tc.close] if self.tc is not None else []) + [self.inner.close], during)
 
 
 # ---------------------------------------------------------------- the layer
@@ -235,6 +240,14 @@ class MoELayer:
                  router: str = "softmax", device=None, seed: int = 0, timeout_ms: float = 2000.0,
                  capacity: int | None = None):
         problems = []
+        for name, v, lo in (("n_ranks", n_ranks, 1), ("hidden", hidden, 1), ("inter", inter, 1),
+                            ("n_experts", n_experts, 1), ("top_k", top_k, 1), ("tokens", tokens, 0)):
+            try:                             # integers first: nothing below is computed from a bad one
+                checked_int(name, v, lo=lo)
+            except ConfigError as e:
+                problems += e.problems
+        if problems:
+            raise ConfigError(problems, "MoELayer")
         if n_experts % n_ranks:
             problems.append(f"n_experts: expected a multiple of n_ranks ({n_ranks}), got {n_experts}")
         if hidden % 256 or inter % 64:
@@ -246,12 +259,22 @@ class MoELayer:
         R, L, H, N = n_ranks, n_experts // n_ranks, hidden, inter
         self.R, self.L, self.H, self.I, self.E, self.K, self.T = R, L, H, N, n_experts, top_k, tokens
         self.router = router
-        self.ordinal = torch.cuda.current_device() if device is None else torch.device(device).index or 0
-        dev = f"cuda:{self.ordinal}"
+        self.ordinal = device_ordinal(device)
+        self.comb, self.gemms, self.blocks = None, [], []
         # the driver's allocations (dispatch, combine) first: torch's cache may hold on to
         # memory it freed later (the weights' temporaries)
         self.td = TorchDispatch(R, max_tokens=tokens, top_k=top_k, hidden=H, n_local_experts=L, capacity=capacity,
                                 device=self.ordinal, timeout_ms=timeout_ms, combine=False)
+        try:
+            self._build(seed, timeout_ms)
+        except BaseException as e:           # the dispatch, the combine and the GEMMs made so far are freed
+            self._release(during=e)
+            raise
+        self.marks = None
+
+    def _build(self, seed: int, timeout_ms: float) -> None:
+        R, L, H, N, tokens, top_k, n_experts = self.R, self.L, self.H, self.I, self.T, self.K, self.E
+        dev = f"cuda:{self.ordinal}"
         cap = max(self.td.shape.capacity, 1)
         self.cap = cap
         self.x_in = torch.zeros(R, tokens, H, dtype=torch.bfloat16, device=dev)
@@ -276,14 +299,12 @@ class MoELayer:
         self.bias = torch.randn(n_experts, generator=g, device=dev) * 0.05
         self.w13 = weights(R, L, 2 * N, H, scale=H ** -0.5)
         self.w2 = weights(R, L, H, N, scale=N ** -0.5)
-        self.gemms, self.blocks = [], []
         for r in range(R):
             gm = GroupedGemmSend(L, device=dv.dev)
             self.gemms.append(gm)
             self.blocks.append(gm.prepare(self.comb.cfgs[r], self.act[r], self.w2[r],
                                           self.td.expert_offsets[r], bm=64 if tokens * top_k <= 64 * n_experts
                                           else 128, count_ptrs=self.comb.counts, p3_control=0, same_gpu=True))
-        self.marks = None
 
     def route(self, x: torch.Tensor):
         """topk_idx int64 (R, T, K), weights f32 (R, T, K) for tokens x bf16 (R, T, H)."""
@@ -348,10 +369,13 @@ class MoELayer:
         return out.view(self.R, self.T, self.H)
 
     def close(self) -> None:
-        for gm in self.gemms:
-            gm.close()
-        self.comb.close()
-        self.td.close()
+        """Free the GEMMs, the combine and the dispatch: every step is tried, the first
+        failure raised after the last."""
+        self._release()
+
+    def _release(self, during: BaseException | None = None) -> None:
+        steps = [gm.close for gm in self.gemms] + ([self.comb.close] if self.comb is not None else [])
+        release(steps + [self.td.close], during)
 
 
 def layer_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -41,10 +41,51 @@ from .cuda import driver
 from .ops.combine import Combine
 from .ops.rank import Rank
 
-__all__ = ["TorchCombine", "TorchGemmFp8Send", "TorchRank", "combine", "gemm_fp8", "gemm_fp8_send", "quant_fp8"]
+__all__ = ["TorchCombine", "TorchGemmFp8Send", "TorchRank", "combine", "gemm_fp8", "gemm_fp8_send", "quant_fp8",
+           "device_ordinal", "register", "lookup", "unregister"]
 
-_objects: dict[int, object] = {}      # op handle -> TorchCombine / TorchRank
+_objects: dict[int, object] = {}      # op handle -> the open object its op calls run on
 _handles = itertools.count(1)
+
+
+def register(obj) -> int:
+    """A new handle for ``obj``: the int a custom op (``torch.ops.p3send.*``) takes, to
+    find ``obj`` again with ``lookup``. One registry serves every op of p3send.torch and
+    p3send.moe; ``unregister`` the handle when ``obj`` closes.
+
+    Args:
+        obj: the object the op's calls run on (a TorchCombine, a TorchDispatch, ...).
+
+    Returns:
+        int: the handle, > 0 and never reused in this process.
+    """
+    handle = next(_handles)
+    _objects[handle] = obj
+    return handle
+
+
+def lookup(handle: int, kind=object):
+    """The open object registered as ``handle``, or None.
+
+    Args:
+        handle: a handle ``register`` gave.
+        kind: the class (or tuple of classes) the op runs on: an object of another kind
+            under that handle is None too (one op's handle passed to another op).
+
+    Returns:
+        The object, or None when no open object of that kind has the handle.
+    """
+    obj = _objects.get(handle)
+    return obj if isinstance(obj, kind) else None
+
+
+def unregister(handle) -> None:
+    """Forget ``handle`` (when its object closes); an unknown one is ignored.
+
+    Args:
+        handle: a handle ``register`` gave, or None.
+    """
+    _objects.pop(handle, None)
 
 
 @torch.library.custom_op("p3send::combine", mutates_args=())
@@ -53,7 +94,7 @@ def combine(handle: int, rows: torch.Tensor, expert_offsets: torch.Tensor, range
             gate: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045 (torch's schema inference)
     """The combine of the ``TorchCombine``/``TorchRank`` registered as ``handle``: returns
     the reduced bf16 output, shape ``topk_idx.shape[:-1] + (hidden,)``."""
-    obj = _objects.get(handle)
+    obj = lookup(handle, _Base)
     if obj is None:
         raise ConfigError([f"handle: no open p3send combine has handle {handle}"], "p3send::combine")
     return obj._run(rows, expert_offsets, range_table, src_info, topk_idx, weights, gate)
@@ -64,10 +105,26 @@ def _combine_fake(handle, rows, expert_offsets, range_table, src_info, topk_idx,
     return rows.new_empty((*topk_idx.shape[:-1], rows.shape[-1]))
 
 
-def _ordinal(device) -> int:
+def device_ordinal(device=None) -> int:
+    """The CUDA ordinal of ``device`` as torch names it.
+
+    Args:
+        device: None or ``"cuda"`` (torch's current CUDA device), ``"cuda:N"``, an int N,
+            or a ``torch.device`` of type cuda.
+
+    Returns:
+        int: the ordinal.
+
+    Raises:
+        ConfigError: ``device`` is not a CUDA device (``"cpu"``, ``"meta"``), or not a
+            device torch can parse.
+    """
     if device is None:
         return torch.cuda.current_device()
-    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    try:
+        d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    except (RuntimeError, TypeError, ValueError) as e:     # torch's words for a device it cannot parse
+        raise ConfigError([f"device: expected a CUDA device, got {device!r} ({e})"], "p3send.torch") from None
     if d.type != "cuda":
         raise ConfigError([f"device: expected a CUDA device, got {d}"], "p3send.torch")
     return torch.cuda.current_device() if d.index is None else d.index
@@ -91,8 +148,7 @@ def _check_shapes(what: str, want: dict, got: dict) -> None:
 
 class _Base:
     def _register(self) -> None:
-        self.handle = next(_handles)
-        _objects[self.handle] = self
+        self.handle = register(self)
         self._key = None
 
     def __call__(self, rows, expert_offsets, range_table, src_info, topk_idx, weights, gate=None):
@@ -100,7 +156,7 @@ class _Base:
         return combine(self.handle, rows, expert_offsets, range_table, src_info, topk_idx, weights, gate)
 
     def close(self) -> None:
-        _objects.pop(getattr(self, "handle", None), None)
+        unregister(getattr(self, "handle", None))
         self._inner.close()
 
     def __enter__(self):
@@ -129,7 +185,7 @@ class TorchCombine(_Base):
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  max_rows: int | None = None, device=None, timeout_ms: float = 2000.0, guard: bool = False,
                  num_sms: int | None = None, gated: bool = False):
-        self.ordinal = _ordinal(device)
+        self.ordinal = device_ordinal(device)
         torch.cuda.init()
         self.dev = driver.device(self.ordinal)
         self._inner = Combine(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
@@ -213,7 +269,7 @@ class TorchRank(_Base):
                  max_rows: int | None = None, device=None, timeout_ms: float = 2000.0, sync_timeout_s: float = 60.0,
                  sync_sends: bool | None = None, guard: bool = False):
         from .ops.exchange import TorchExchange
-        self.ordinal = _ordinal(device)
+        self.ordinal = device_ordinal(device)
         torch.cuda.init()
         exchange = exchange or TorchExchange(timeout_s=sync_timeout_s)
         self._inner = Rank(exchange.rank, exchange.n_ranks, exchange, max_tokens=max_tokens, top_k=top_k,
@@ -346,7 +402,15 @@ def gemm_fp8(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
     a float8_e4m3fn (rows, K), sa float32 scales (quant_fp8's (K/128, m_pad), or the (rows,
     K/128) MN-major view), b float8_e4m3fn (E, N, K), sb float32 (E, N/128, K/128),
     expert_offsets int32 (E+1,) on the GPU (any expert starts: the device offsets are not
-    read on the host); bm 128 or 64 rows per tile (0: 128). Returns C bf16 (rows, N)."""
+    read on the host); bm 128 or 64 rows per tile (0: 128). Returns C bf16 (rows, N).
+
+    Enqueued on torch's current stream with no host wait, and calls may be queued back to
+    back (on one stream or several): the launcher (one per GPU and E) keeps on the GPU the
+    device-side arguments (tensor maps of a, sa and b, the offsets' address, bm) of its last
+    ``GroupedGemmFp8Send.DEVICE_ARGS_SLOTS`` distinct calls. A call whose a, sa, b (data
+    pointers, shapes, strides), expert_offsets and bm equal one of them launches with no
+    upload; a new one first uploads them on the current stream (a host wait for that stream).
+    Not capturable by ``torch.cuda.graph`` (ConfigError)."""
     from .abi.config import P3PeerSendConfig
     c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
     _gemm_fp8_run(P3PeerSendConfig.disabled(), a, sa, b, sb, expert_offsets, c, bm, expert_align=1)
@@ -365,17 +429,18 @@ class TorchGemmFp8Send:
     ``torch.ops.p3send.gemm_fp8_send(handle, ...)``) with the tensors of ``gemm_fp8``: every
     row goes to its owner exactly as p3_scatter_send sends that C; nothing is returned and C
     is never written. The op mutates no tensor torch knows of (the receive buffers are
-    p3send's): under torch.compile keep it outside the compiled region."""
+    p3send's): under torch.compile keep it outside the compiled region. Stream order, the
+    cache of device-side arguments (count_ptrs, row_cache, same_gpu and p3_control among
+    them; cfg is passed by value) and the refusal under graph capture: as ``gemm_fp8``."""
 
     def __init__(self, n_experts: int, cfg, *, count_ptrs=None, row_cache: bool = False, same_gpu: bool = False,
                  p3_control: int = 0, device=None):
         from .ops.gemm_fp8 import GroupedGemmFp8Send
-        self.ordinal = _ordinal(device)
+        self.ordinal = device_ordinal(device)
         self.gemm = GroupedGemmFp8Send(n_experts, device=driver.device(self.ordinal))
         self.cfg, self.send = cfg, dict(count_ptrs=count_ptrs, row_cache=row_cache, same_gpu=same_gpu,
                                         p3_control=p3_control)
-        self.handle = next(_handles)
-        _objects[self.handle] = self
+        self.handle = register(self)
 
     def __call__(self, a, sa, b, sb, expert_offsets, bm: int = 0) -> None:
         gemm_fp8_send(self.handle, a, sa, b, sb, expert_offsets, bm)
@@ -385,7 +450,7 @@ class TorchGemmFp8Send:
                   expert_align=1, stream=driver.as_stream(torch.cuda.current_stream(a.device)), **self.send)
 
     def close(self) -> None:
-        _objects.pop(self.handle, None)
+        unregister(self.handle)
         self.gemm.close()
 
 
@@ -393,8 +458,8 @@ class TorchGemmFp8Send:
 def gemm_fp8_send(handle: int, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                   expert_offsets: torch.Tensor, bm: int = 0) -> None:
     """The fused GEMM + send of the ``TorchGemmFp8Send`` registered as ``handle``."""
-    obj = _objects.get(handle)
-    if not isinstance(obj, TorchGemmFp8Send):
+    obj = lookup(handle, TorchGemmFp8Send)
+    if obj is None:
         raise ConfigError([f"handle: no open TorchGemmFp8Send has handle {handle}"], "p3send::gemm_fp8_send")
     obj._run(a, sa, b, sb, expert_offsets, bm)
 

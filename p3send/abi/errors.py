@@ -92,7 +92,8 @@ class ArrivalTimeout(P3SendError, TimeoutError):
     """A receive wait hit its deadline.
 
     ``missing`` is a list of (rank, local_expert, source_rank) triples whose arrival
-    signal never came; ``record`` is the kernel's raw diagnostic record.
+    signal never came; ``record`` is the kernel's raw diagnostic record; ``timeout_ns``
+    the deadline that passed, in nanoseconds (None: not known; the message then gives none).
     """
 
     def __init__(self, missing, record=None, timeout_ns=None):

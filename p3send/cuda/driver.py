@@ -111,7 +111,8 @@ def can_access_peer(ordinal: int, peer: int) -> bool:
 
 
 class Device:
-    """A GPU and its primary context (retained for the life of the process)."""
+    """A GPU and its primary context (retained for the life of the process). ``ordinal``:
+    the GPU's index among those the driver reports (``device()`` makes each one once)."""
 
     def __init__(self, ordinal: int = 0):
         cu = _cu()
@@ -331,6 +332,11 @@ class DeviceBuffer:
     """A device allocation (``cuMemAlloc``, 256-byte aligned) with numpy copies in and out.
 
     Exposes ``__cuda_array_interface__`` (as bytes) so torch/cupy can view it.
+
+    Args:
+        nbytes: the size in bytes, >= 0 (0 allocates one byte, so the address is valid).
+        fill: set every byte to this value (0..255) after allocating (default: not set).
+        stream: the stream ``fill`` is enqueued on, or None: synchronous.
     """
 
     def __init__(self, nbytes: int, *, fill: int | None = None, stream: Stream | None = None):
@@ -585,7 +591,9 @@ class Graph:
     """A captured sequence of launches on one or more streams, replayed with ``launch``.
 
     Capture with ``Graph.capture(origin, others)`` as a context manager: the other
-    streams fork from and join back into ``origin``.
+    streams fork from and join back into ``origin``. The constructor takes what the
+    capture made: ``exec_handle``, the instantiated ``CUgraphExec``, and ``graph_handle``,
+    its ``CUgraph``.
     """
 
     def __init__(self, exec_handle, graph_handle):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig
+from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig, describe_value
 from ..abi.files import read_text
 from ..abi.errors import ConfigError, ConfigTypeError, CudaError, P3SendError, ParamMismatchError
 from ..cuda import driver, ptxdoc
@@ -25,6 +25,9 @@ class PeerPtrs(ctypes.LittleEndianStructure):
 _CTYPES = {"u64": ctypes.c_uint64, "s64": ctypes.c_int64, "u32": ctypes.c_uint32,
            "s32": ctypes.c_int32, "f32": ctypes.c_float, "P3PeerSendConfig": P3PeerSendConfig,
            "u64[8]": PeerPtrs}
+#: The integer parameter types: their PTX name and range (a value outside is refused, never wrapped).
+_INT_RANGES = {ctypes.c_uint64: ("u64", 0, (1 << 64) - 1), ctypes.c_int64: ("s64", -(1 << 63), (1 << 63) - 1),
+               ctypes.c_uint32: ("u32", 0, (1 << 32) - 1), ctypes.c_int32: ("s32", -(1 << 31), (1 << 31) - 1)}
 
 
 def ptx_dir() -> Path:
@@ -80,6 +83,22 @@ class ParamBlock:
         self.set(**values)
 
     def set(self, **values) -> ParamBlock:
+        """Store parameter values, each checked against its type: an integer parameter takes an
+        int or numpy integer in its type's range, or (any of them) a buffer, stored as its device
+        address (``driver.device_ptr``); ``u64[8]`` up to 8 such addresses; ``f32`` a number;
+        the config struct a P3PeerSendConfig; an opaque one bytes of its size.
+
+        Args:
+            **values: parameter name -> value.
+
+        Returns:
+            self.
+
+        Raises:
+            ConfigTypeError: an unknown parameter, or a value of the wrong kind (a float, bool,
+                str or None for an integer) naming the kernel and parameter.
+            ConfigError: an integer outside its type's range (e.g. -1 for a u64), named so.
+        """
         for name, v in values.items():
             obj = self._objs.get(name)
             if obj is None:
@@ -91,7 +110,7 @@ class ParamBlock:
                                           f"got {type(v).__name__}", "kernel parameters")
                 ctypes.memmove(ctypes.addressof(obj), ctypes.addressof(v), ctypes.sizeof(obj))
             elif isinstance(obj, PeerPtrs):
-                vals = [driver.device_ptr(x, f"{name}[{i}]") for i, x in enumerate(v)]
+                vals = [self._integer(f"{name}[{i}]", x, ctypes.c_uint64) for i, x in enumerate(v)]
                 if len(vals) > P3_MAX_RANKS:
                     raise ConfigError(f"{name}: at most {P3_MAX_RANKS} addresses, got {len(vals)}", "kernel parameters")
                 obj.p[:] = vals + [0] * (P3_MAX_RANKS - len(vals))
@@ -103,8 +122,19 @@ class ParamBlock:
             elif isinstance(obj, ctypes.c_float):
                 obj.value = float(v)
             else:
-                obj.value = driver.device_ptr(v, name) if not isinstance(v, (int, np.integer)) else int(v)
+                obj.value = self._integer(name, v, type(obj))
         return self
+
+    def _integer(self, name: str, v, ct) -> int:
+        kind, lo, hi = _INT_RANGES[ct]
+        where = f"{self.kernel.name}.{name}"
+        if v is None or isinstance(v, (bool, np.bool_, float, np.floating, complex, str, bytes)):
+            raise ConfigTypeError([f"{where}: expected an integer ({kind}) or a device buffer, got "
+                                   f"{describe_value(v)}"], "kernel parameters")
+        x = int(v) if isinstance(v, (int, np.integer)) else driver.device_ptr(v, where)
+        if not lo <= x <= hi:
+            raise ConfigError([f"{where}: expected a {kind} value ({lo}..{hi}), got {x}"], "kernel parameters")
+        return x
 
     def get(self, name):
         return self._objs[name]

@@ -1,22 +1,159 @@
-"""Argument checks the launchers share: sizes and alignment of device buffers."""
+"""Argument checks the launchers share: what a buffer argument tells of itself (address,
+shape, byte strides, size, dtype, device), the checks of sizes and alignment, and the
+one-shot launch on a temporary stream.
+
+The array helpers take torch tensors (read directly: torch refuses
+``__cuda_array_interface__`` for some dtypes, bf16 among them), ``__cuda_array_interface__``
+objects (cupy, numba), p3send ``DeviceBuffer``s (bytes, no shape) and plain addresses
+(nothing known but the address)."""
 from __future__ import annotations
 
 import warnings
 
 import numpy as np
 
+from ..abi.errors import P3SendError
 from ..cuda import driver
+
+_TORCH_ATTRS = ("data_ptr", "dtype", "device", "element_size", "is_contiguous", "stride", "shape")
+
+
+def is_torch(obj) -> bool:
+    """Whether ``obj`` is a torch tensor (told by its methods; torch is never imported).
+
+    Args:
+        obj: any argument.
+
+    Returns:
+        True for an object with torch's ``data_ptr``, ``dtype``, ``device``,
+        ``element_size``, ``is_contiguous``, ``stride`` and ``shape``.
+    """
+    return all(hasattr(obj, a) for a in _TORCH_ATTRS)
+
+
+def array_layout(obj) -> tuple[tuple | None, tuple | None, int | None]:
+    """The shape, byte strides and item size of an array argument.
+
+    Args:
+        obj: a torch tensor, a ``__cuda_array_interface__`` object, a DeviceBuffer or an address.
+
+    Returns:
+        (shape, strides in bytes, bytes per element) of a torch tensor or CAI object (the
+        strides of a CAI object without ``strides`` are the dense ones); (None, None, None)
+        for a DeviceBuffer or an address (no shape to check).
+    """
+    if is_torch(obj):
+        es = int(obj.element_size())
+        return tuple(int(d) for d in obj.shape), tuple(int(s) * es for s in obj.stride()), es
+    cai = getattr(obj, "__cuda_array_interface__", None) if not isinstance(obj, driver.DeviceBuffer) else None
+    if cai is None:
+        return None, None, None
+    shape = tuple(int(d) for d in cai["shape"])
+    item = np.dtype(cai["typestr"]).itemsize
+    strides = cai.get("strides")
+    if strides is None:
+        acc, out = 1, []
+        for d in reversed(shape):
+            out.append(acc * item)
+            acc *= d
+        strides = tuple(reversed(out))
+    return shape, tuple(int(s) for s in strides), item
+
+
+def contiguous(obj) -> bool | None:
+    """Whether an array argument is dense (C order).
+
+    Args:
+        obj: as ``array_layout``.
+
+    Returns:
+        A torch tensor's ``is_contiguous()``; for a CAI object, whether it gives no
+        ``strides``; True for a DeviceBuffer; None for an address (unknown).
+    """
+    if isinstance(obj, driver.DeviceBuffer):
+        return True
+    if is_torch(obj):
+        return bool(obj.is_contiguous())
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    return None if cai is None else cai.get("strides") is None
+
+
+def address(obj, name: str = "buffer") -> int:
+    """The device address of an array argument.
+
+    Args:
+        obj: as ``array_layout``, or anything ``driver.device_ptr`` takes.
+        name: the argument, for the message.
+
+    Returns:
+        The address (a torch tensor's ``data_ptr()``).
+
+    Raises:
+        ConfigTypeError: ``obj`` is no buffer (names ``name``).
+    """
+    return int(obj.data_ptr()) if is_torch(obj) else driver.device_ptr(obj, name)
 
 
 def nbytes(obj) -> int | None:
+    """The size of a dense buffer argument.
+
+    Args:
+        obj: as ``array_layout``.
+
+    Returns:
+        The bytes of a DeviceBuffer, of a contiguous torch tensor or CAI object (see
+        ``contiguous``); None for a strided array or an address (unknown).
+    """
     if isinstance(obj, driver.DeviceBuffer):
         return obj.nbytes
+    if is_torch(obj):
+        return int(obj.numel()) * int(obj.element_size()) if obj.is_contiguous() else None
     cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None:
-        shape = cai["shape"]
-        item = np.dtype(cai["typestr"]).itemsize
-        return int(np.prod(shape)) * item if cai.get("strides") is None else None
+    if cai is not None and cai.get("strides") is None:
+        return int(np.prod(cai["shape"])) * np.dtype(cai["typestr"]).itemsize
     return None
+
+
+def span(obj) -> int | None:
+    """The bytes an array argument covers from its address: what a kernel may touch of it.
+
+    Args:
+        obj: as ``array_layout``.
+
+    Returns:
+        A DeviceBuffer's size; for a torch tensor or CAI object, strided or not, the offset
+        of its last element plus one element (0 when empty); None for an address or an array
+        with a negative stride (unknown).
+    """
+    if isinstance(obj, driver.DeviceBuffer):
+        return obj.nbytes
+    shape, strides, item = array_layout(obj)
+    if shape is None or any(s < 0 for s in strides):
+        return None
+    if any(d == 0 for d in shape):
+        return 0
+    return sum((d - 1) * s for d, s in zip(shape, strides)) + item
+
+
+def check_rows_fit(name: str, obj, rows: int, row_bytes: int, row_stride: int, problems: list) -> None:
+    """Appends a problem naming ``name`` unless ``obj`` covers ``rows`` rows of ``row_bytes``
+    bytes at ``row_stride`` (``(rows - 1) * row_stride + row_bytes`` bytes; checked where its
+    size is known: ``span``).
+
+    Args:
+        name: the argument, for the message.
+        obj: the array argument.
+        rows, row_bytes, row_stride: what the kernel reads or writes of it (rows >= 1).
+        problems: the launch's problems so far; appended to.
+
+    Returns:
+        None.
+    """
+    have = span(obj)
+    need = (rows - 1) * row_stride + row_bytes
+    if have is not None and rows >= 1 and have < need:
+        problems.append(f"{name}: expected at least {need} bytes ({rows} rows of {row_bytes} bytes at stride "
+                        f"{row_stride}), got {have}")
 
 
 def aligned(name, addr, align, problems):
@@ -27,10 +164,6 @@ def aligned(name, addr, align, problems):
 
 
 # ---------------------------------------------------------------- device arrays (tensors)
-
-def _torch_like(obj) -> bool:
-    return all(hasattr(obj, a) for a in ("data_ptr", "dtype", "device", "is_contiguous"))
-
 
 def describe(obj) -> dict:
     """What can be told of a buffer argument without a launch: {'addr', 'nbytes' (None:
@@ -43,7 +176,7 @@ def describe(obj) -> dict:
                 "device": None if obj.ordinal is None else f"cuda:{obj.ordinal}", "contiguous": True}
     if isinstance(obj, (int, np.integer)):
         return {"addr": int(obj), "nbytes": None, "dtype": None, "device": None, "contiguous": None}
-    if _torch_like(obj):                       # torch first: its CAI refuses some dtypes (bf16)
+    if is_torch(obj):                          # torch first: its CAI refuses some dtypes (bf16)
         dev = obj.device
         return {"addr": int(obj.data_ptr()), "nbytes": int(obj.numel()) * int(obj.element_size()),
                 "dtype": str(obj.dtype).replace("torch.", ""),
@@ -95,3 +228,30 @@ def warn_deprecated(old: str, new: str) -> None:
     """A DeprecationWarning for a name renamed in 0.2.0 (its alias goes in 0.3), pointing at the caller."""
     warnings.warn(f"{old} is deprecated since p3send 0.2.0 and goes in 0.3; use {new}", DeprecationWarning,
                   stacklevel=3)
+
+
+def run_once(enqueue, stream=None) -> None:
+    """A launcher's one-shot call: ``enqueue(stream)``, or, without a stream, ``enqueue`` on
+    a temporary stream that is then synchronized and closed, also when ``enqueue`` raises.
+
+    Args:
+        enqueue: a function of one ``driver.Stream`` that enqueues the launch.
+        stream: the caller's stream (no host wait), or None (synchronous).
+
+    Returns:
+        None.
+    """
+    if stream is not None:
+        enqueue(stream)
+        return
+    s = driver.Stream()
+    try:
+        enqueue(s)
+        s.synchronize()
+    except BaseException:
+        try:
+            s.close()
+        except P3SendError:
+            pass                   # the launch's own error is the one to report
+        raise
+    s.close()

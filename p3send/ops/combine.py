@@ -165,9 +165,30 @@ class Combine:
                  max_rows: int | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
                  guard: bool = False, stamps: bool = True, num_sms: int | None = None, row_cache: bool = False,
                  inputs: bool = True):
-        """num_sms: SMs per rank's send (default: 2 x the GPU's SMs / n_ranks, at most all);
-        inputs: allocate C, the routing inputs, topk_idx/weights and out here (uploaded by
-        ``set_inputs``); False: the caller owns them and attaches them with ``bind``."""
+        """Allocate every rank's buffers and launchers on ``device``.
+
+        Args:
+            n_ranks: ranks of the combine, all on this GPU.
+            max_tokens: tokens per rank and round, at most.
+            top_k: experts per token.
+            hidden: the row width in bf16 elements (msg_bytes = 2*hidden).
+            n_local_experts: experts per rank.
+            max_rows: rows of each rank's C, at most (default max_tokens * top_k * n_ranks).
+            device: the Device (default: ``driver.device()``).
+            timeout_ms: the receive waits' deadline in milliseconds; a wait past it raises
+                ArrivalTimeout.
+            guard: pad every receive buffer with GUARD sentinel bytes each side (tests
+                check them untouched).
+            stamps: allocate the send and receive stamp buffers (per-CTA timestamps).
+            num_sms: SMs per rank's send (default: 2 x the GPU's SMs / n_ranks, at most all).
+            row_cache: give each rank's send a row cache (``cfg.row_base_ptr``, one u64 per
+                row of C) and send with it.
+            inputs: allocate C, the routing inputs, topk_idx/weights and out here (uploaded by
+                ``set_inputs``); False: the caller owns them and attaches them with ``bind``.
+
+        Raises:
+            ConfigError: every bad size or timeout, named.
+        """
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
         if problems:

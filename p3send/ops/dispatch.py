@@ -18,12 +18,15 @@ and a one-process-per-rank runner share.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..abi.config import rank_config
-from ..abi.errors import ConfigError, P3SendError
+from ..abi.config import (P3_MAX_MSG_BYTES, P3_MAX_RANKS, P3_MAX_TOP_K, checked_flag, checked_int, describe_value,
+                          rank_config)
+from ..abi.errors import ConfigError, ConfigTypeError, P3SendError
 from ..abi.layout import SENTINEL
 from ..cuda import driver
 from ..cuda.loader import kernel
@@ -51,6 +54,69 @@ PAYLOADS = ("bf16", "fp8")
 FP8_SCALE_BLOCK = 128
 #: The record's word 12: which kernel refused its arguments.
 KERNEL_BITS = ((1, "p3_dispatch_count"), (2, "p3_dispatch_send"), (4, "p3_dispatch_wait"))
+#: What the kernels take (their headers): experts in all, capacity rows (below), the
+#: 32-bit products of their index arithmetic (below), the largest alignment.
+MAX_EXPERTS, CAPACITY_LIMIT, INDEX_LIMIT, MAX_ALIGN = 1024, 1 << 30, 1 << 31, 4096
+#: The longest wait a Dispatch or DispatchRank takes, in milliseconds (about 2.8 hours).
+MAX_TIMEOUT_MS = 1e7
+
+
+def release(steps, during: BaseException | None = None) -> None:
+    """Call every step, even after one fails, so that everything an object owns is
+    released; then raise the first failure.
+
+    Args:
+        steps: callables taking no argument (``buf.free``, ``stream.close``, ...), in order.
+        during: the error a failing constructor is about to re-raise: a failure here is
+            then added to it as a note instead of replacing it.
+
+    Raises:
+        Exception: the first step's failure, once every step has run (unless ``during``).
+    """
+    first = None
+    for step in steps:
+        try:
+            step()
+        except Exception as e:       # every step runs; the first failure is raised below
+            first = e if first is None else first
+    if first is None:
+        return
+    if during is None:
+        raise first
+    during.add_note(f"while releasing what was made: {type(first).__name__}: {first}")
+
+
+class _Problems:
+    """One message per bad argument, collected (every bad argument is reported at once);
+    ``wrong_type``: one of them was of the wrong type (the error is then a TypeError too)."""
+
+    def __init__(self):
+        self.list, self.wrong_type = [], False
+
+    def int(self, name: str, value, lo: int | None = None, hi: int | None = None, why: str = "") -> int | None:
+        """``value`` as an int (``checked_int``'s rule: bools refused), or None with its problem noted."""
+        try:
+            return checked_int(name, value, "i64", lo=lo, hi=hi, why=why)
+        except ConfigError as e:
+            self.wrong_type |= isinstance(e, ConfigTypeError)
+            self.list += e.problems
+            return None
+
+    def flag(self, name: str, value) -> bool | None:
+        try:
+            return checked_flag(name, value)
+        except ConfigError as e:
+            self.wrong_type = True
+            self.list += e.problems
+            return None
+
+    def add(self, message: str, wrong_type: bool = False) -> None:
+        self.list.append(message)
+        self.wrong_type |= wrong_type
+
+    def raise_any(self, what: str) -> None:
+        if self.list:
+            raise (ConfigTypeError if self.wrong_type else ConfigError)(self.list, what)
 
 
 def dispatch_capacity(n_ranks: int, max_tokens: int, top_k: int, n_local: int, *, align: int = 1,
@@ -80,28 +146,72 @@ def dispatch_capacity(n_ranks: int, max_tokens: int, top_k: int, n_local: int, *
     return n_ranks * max_tokens * min(top_k, n_local) + n_local * (align - 1)
 
 
+def _layout(p: _Problems, n_ranks, n_local, top_k, capacity, align, expert_stride, max_tokens,
+            local: str = "n_local") -> tuple:
+    """The layout rules of the dispatch kernels, each argument's type checked before any
+    value is computed from it. ``local``: the name n_local has where the caller wrote it.
+    Returns the arguments as ints (None where one is bad)."""
+    R = p.int("n_ranks", n_ranks, 1, P3_MAX_RANKS)
+    L = p.int(local, n_local, 1)
+    if R is not None and L is not None and R * L > MAX_EXPERTS:
+        p.add(f"{local}: expected n_ranks*{local} <= {MAX_EXPERTS} experts, got {L} ({R} ranks: {R * L} experts)")
+    K = p.int("top_k", top_k, 1, P3_MAX_TOP_K)
+    T = p.int("max_tokens", max_tokens, 0)
+    C = None if capacity is None else p.int("capacity", capacity, 0, CAPACITY_LIMIT - 1, " rows")
+    A = p.int("align", align, 1, MAX_ALIGN, " (a power of two)")
+    if A is not None and A & (A - 1):
+        p.add(f"align: expected a power of two in 1..{MAX_ALIGN}, got {A}")
+    S = p.int("expert_stride", expert_stride, 0, why=" (0: contiguous layout; > 0: the masked layout)")
+    if S and A is not None and A != 1:
+        p.add(f"expert_stride: expected 0 with align {A} (the masked layout takes align 1 only), got {S}")
+    if S is not None and L is not None and S * L >= INDEX_LIMIT:
+        p.add(f"expert_stride: {local}*expert_stride must stay below 2^31, got {S} ({L} experts)")
+    if None not in (R, K, T) and T * K * R >= INDEX_LIMIT:
+        p.add(f"max_tokens: max_tokens*top_k*n_ranks must stay below 2^31, got {T} ({K} x {R} ranks)")
+    return R, L, K, T, C, A, S
+
+
 def layout_problems(n_ranks: int, n_local: int, top_k: int, *, capacity: int, align: int = 1,
                     expert_stride: int = 0, max_tokens: int = 0) -> list:
-    """What the dispatch kernels refuse in a shape (one message per argument; empty: fine)."""
-    p = []
-    if not (isinstance(n_ranks, int) and 1 <= n_ranks <= 8):
-        p.append(f"n_ranks: expected 1..8, got {n_ranks!r}")
-        return p
-    if not (isinstance(n_local, int) and n_local >= 1 and n_ranks * n_local <= 1024):
-        p.append(f"n_local: expected >= 1 with n_ranks*n_local <= 1024 experts, got {n_local!r}")
-    if not (isinstance(top_k, int) and 1 <= top_k <= 32):
-        p.append(f"top_k: expected 1..32, got {top_k!r}")
-    if not (isinstance(capacity, int) and 0 <= capacity < 1 << 30):
-        p.append(f"capacity: expected 0..2^30-1 rows, got {capacity!r}")
-    if not (isinstance(align, int) and 1 <= align <= 4096 and not align & (align - 1)):
-        p.append(f"align: expected a power of two in 1..4096, got {align!r}")
-    if not isinstance(expert_stride, int) or expert_stride < 0 or (expert_stride and align != 1):
-        p.append(f"expert_stride: expected >= 0 (0: contiguous layout; > 0 only with align 1), got {expert_stride!r}")
-    elif isinstance(n_local, int) and expert_stride * n_local >= 1 << 31:
-        p.append(f"expert_stride: n_local*expert_stride must stay below 2^31, got {expert_stride}")
-    if isinstance(top_k, int) and max_tokens * top_k * n_ranks >= 1 << 31:
-        p.append(f"max_tokens: max_tokens*top_k*n_ranks must stay below 2^31, got {max_tokens}")
-    return p
+    """What the dispatch kernels refuse in a shape (one message per argument; empty: fine).
+    A value of the wrong type (a str, a float, a bool) is a problem too."""
+    p = _Problems()
+    if capacity is None:
+        p.add(f"capacity: expected 0..2^30-1 rows, got {describe_value(capacity)}", wrong_type=True)
+    _layout(p, n_ranks, n_local, top_k, capacity, align, expert_stride, max_tokens)
+    return p.list
+
+
+def _shape(p: _Problems, n_ranks, n_local, top_k, max_tokens, hidden, payload, capacity, align, expert_stride,
+           zero_padding, local: str = "n_local") -> dict:
+    """Every rule of a DispatchShape (``_layout``'s, the payload's and the row's), then the
+    defaults (capacity, zero_padding) from arguments that passed. Returns the fields as
+    plain ints and bools (meaningful only when ``p`` holds no problem)."""
+    R, L, K, T, C, A, S = _layout(p, n_ranks, n_local, top_k, capacity, align, expert_stride, max_tokens, local)
+    H = p.int("hidden", hidden)
+    if not (isinstance(payload, str) and payload in PAYLOADS):
+        p.add(f"payload: expected one of {', '.join(PAYLOADS)}, got {describe_value(payload)}",
+              wrong_type=not isinstance(payload, str))
+        payload = None
+    elif H is not None:
+        unit, x_bytes, s_bytes = (8, 2 * H, 0) if payload == "bf16" else (512, H, 4 * (H // FP8_SCALE_BLOCK))
+        if H <= 0 or H % unit or x_bytes > P3_MAX_MSG_BYTES:
+            p.add(f"hidden: expected a positive multiple of {unit} (rows up to 1 MiB) for {payload}, got {H}")
+        elif T is not None and T * ((x_bytes + s_bytes) // 16) >= INDEX_LIMIT:
+            # p3_dispatch_send numbers a step's 16-byte vectors (rows and scales) in 31 bits
+            p.add(f"max_tokens: max_tokens*(row bytes)/16 must stay below 2^31 (p3_dispatch_send's vectors "
+                  f"of a step), got {T} tokens of {x_bytes + s_bytes} bytes ({payload}, hidden {H})")
+    ZP = None if zero_padding is None else p.flag("zero_padding", zero_padding)
+    if p.list:
+        return {}
+    if C is None:
+        C = dispatch_capacity(R, T, K, L, align=A, expert_stride=S)
+        if C >= CAPACITY_LIMIT:
+            formula = f"{L}*expert_stride" if S else "n_ranks*max_tokens*min(top_k, n_local) + n_local*(align-1)"
+            p.add(f"capacity: expected below 2^30 rows; the default ({formula}) is {C} for max_tokens {T}: "
+                  f"give a capacity, or fewer max_tokens")
+    return {"n_ranks": R, "n_local": L, "top_k": K, "max_tokens": T, "hidden": H, "payload": payload,
+            "capacity": C, "align": A, "expert_stride": S, "zero_padding": A > 1 if ZP is None else ZP}
 
 
 @dataclass(frozen=True)
@@ -112,7 +222,15 @@ class DispatchShape:
     fp32 scales (hidden a multiple of 512, so a scale row is whole 16-byte vectors).
     capacity: rows of each rank's receive arrays (default ``dispatch_capacity``);
     align / expert_stride: the contiguous (aligned) or masked layout; zero_padding:
-    p3_dispatch_wait zeroes the padding rows (default: with align > 1)."""
+    p3_dispatch_wait zeroes the padding rows (default: with align > 1). n_ranks: ranks of
+    the dispatch; n_local: experts per rank; top_k: experts per token; max_tokens: tokens
+    per rank and step, at most; hidden: the token width in elements. Every field is
+    checked (type, then value) before anything is computed from it; what the kernels
+    would refuse on the device is refused here.
+
+    Raises:
+        ConfigError: every bad field, named (a ConfigTypeError when one is of the wrong type).
+    """
     n_ranks: int
     n_local: int
     top_k: int
@@ -125,36 +243,25 @@ class DispatchShape:
     zero_padding: bool | None = None
 
     def __post_init__(self):
-        if self.capacity is None:
-            object.__setattr__(self, "capacity", dispatch_capacity(
-                self.n_ranks, self.max_tokens, self.top_k, self.n_local, align=self.align,
-                expert_stride=self.expert_stride) if isinstance(self.n_local, int) else 0)
-        if self.zero_padding is None:
-            object.__setattr__(self, "zero_padding", self.align > 1 if isinstance(self.align, int) else False)
-        problems = self.problems()
-        if problems:
-            raise ConfigError(problems, "dispatch shape")
+        p = _Problems()
+        fields = _shape(p, self.n_ranks, self.n_local, self.top_k, self.max_tokens, self.hidden, self.payload,
+                        self.capacity, self.align, self.expert_stride, self.zero_padding)
+        p.raise_any("dispatch shape")
+        for name, value in fields.items():     # numpy integers and bools as Python ones
+            object.__setattr__(self, name, value)
 
     def problems(self) -> list:
         """What the dispatch kernels refuse in this shape: ``layout_problems`` plus
-        max_tokens, payload and hidden.
+        max_tokens, payload, hidden and zero_padding.
 
         Returns:
             One message per bad field, naming it (empty: fine); ``__post_init__`` raises
             them as one ConfigError.
         """
-        p = layout_problems(self.n_ranks, self.n_local, self.top_k, capacity=self.capacity, align=self.align,
-                            expert_stride=self.expert_stride,
-                            max_tokens=self.max_tokens if isinstance(self.max_tokens, int) else 0)
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 0):
-            p.append(f"max_tokens: expected >= 0, got {self.max_tokens!r}")
-        if self.payload not in PAYLOADS:
-            p.append(f"payload: expected one of {', '.join(PAYLOADS)}, got {self.payload!r}")
-        elif not isinstance(self.hidden, int) or self.hidden <= 0 or \
-                self.hidden % (512 if self.payload == "fp8" else 8) or self.x_bytes > 1 << 20:
-            p.append(f"hidden: expected a positive multiple of {512 if self.payload == 'fp8' else 8} "
-                     f"(rows up to 1 MiB) for {self.payload}, got {self.hidden!r}")
-        return p
+        p = _Problems()
+        _shape(p, self.n_ranks, self.n_local, self.top_k, self.max_tokens, self.hidden, self.payload, self.capacity,
+               self.align, self.expert_stride, self.zero_padding)
+        return p.list
 
     @property
     def n_experts(self) -> int:
@@ -175,21 +282,28 @@ class DispatchShape:
 
 
 class DispatchError(P3SendError, ValueError):
-    """A step's routing broke a rule, detected on the device (docs/PROTOCOL.md, "The
-    dispatch"): an expert id out of range, a duplicated expert in one token's top-k, or
-    copies past a destination's capacity. ``problems``: one message per (rank, kind), naming
-    the rank, the first token and k, and the expert; ``records``: the raw record per rank.
-    That step's outputs are as documented (the offending copies treated as masked)."""
+    """What the device found wrong in a step (docs/PROTOCOL.md, "The dispatch").
 
-    def __init__(self, problems, records=None):
+    Either a kernel refused its arguments (``rejected``: rank -> the record's word 12, one
+    bit per kernel as in ``KERNEL_BITS``), listed first, then the waits left unfed because
+    of it (``missing``, as ``DispatchTimeout``'s); or the routing broke a rule: an expert id
+    out of range, a duplicated expert in one token's top-k, or copies past a destination's
+    capacity (that step's outputs as documented, the offending copies treated as masked).
+    ``problems``: one message per (rank, kind), naming the rank (and for routing the first
+    token and k, and the expert); ``records``: the decoded record per rank (rank -> dict)."""
+
+    def __init__(self, problems, records=None, rejected=None, missing=None):
         self.problems, self.records = list(problems), records
-        self._init_args = (self.problems, records)
-        super().__init__("dispatch routing errors:\n" + "\n".join(f"  - {p}" for p in self.problems))
+        self.rejected, self.missing = dict(rejected or {}), list(missing or [])
+        self._init_args = (self.problems, records, self.rejected, self.missing)
+        head = "dispatch launch rejected on the device" if self.rejected else "dispatch routing errors"
+        super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
 class DispatchTimeout(P3SendError, TimeoutError):
     """A dispatch wait hit its deadline. ``missing``: (rank, source rank, what) triples,
-    what = "counts" (the count exchange) or "rows" (the source's arrival flag)."""
+    what = "counts" (the count exchange) or "rows" (the source's arrival flag);
+    ``timeout_ns``: the deadline in nanoseconds (None: not known; the message then gives none)."""
 
     def __init__(self, missing, timeout_ns=None):
         self.missing, self.timeout_ns = list(missing), timeout_ns
@@ -199,6 +313,92 @@ class DispatchTimeout(P3SendError, TimeoutError):
         t = f" within {timeout_ns / 1e6:.3f} ms" if timeout_ns else ""
         super().__init__(f"dispatch never arrived{t} from rank(s) {sorted({s for _, s, _ in self.missing})}: "
                          f"{shown}{more}")
+
+
+def step_error(rejected: dict, missing: list, routing: list, timeout_ns: int | None = None,
+               records: dict | None = None) -> P3SendError | None:
+    """The one error a checked step raises, the cause first: a kernel that refused its
+    arguments (its peers then time out waiting for it, so a rejection must not read as a
+    silent rank), then waits that timed out, then routing errors.
+
+    Args:
+        rejected: rank -> its record's word 12 (0: nothing rejected).
+        missing: (rank, source rank, "counts" / "rows" / "unknown") of every timed-out wait.
+        routing: the routing messages (``RankDispatch.problems``).
+        timeout_ns: the waits' deadline, for the message.
+        records: rank -> decoded record, kept on a DispatchError.
+
+    Returns:
+        DispatchError (rejections, with the timeouts after them), DispatchTimeout,
+        DispatchError (routing), or None for a clean step.
+    """
+    rejected = {r: int(m) for r, m in rejected.items() if m}
+    if rejected:
+        lines = [f"rank {r}: {', '.join(n for b, n in KERNEL_BITS if m & b) or 'a kernel'} rejected its arguments "
+                 f"(record word 12 = {m:#x}; nothing of that launch ran)" for r, m in sorted(rejected.items())]
+        lines += [f"rank {r}: then timed out waiting for the {w} of " + (f"rank {s}" if s >= 0 else "a rank")
+                  for r, s, w in missing]
+        return DispatchError(lines + list(routing), records, rejected, missing)
+    if missing:
+        return DispatchTimeout(missing, timeout_ns)
+    if routing:
+        return DispatchError(routing, records)
+    return None
+
+
+def _wait_time(p: _Problems, name: str, value, unit: str, most: float | None):
+    """A wait's length: a finite real number > 0 (no bool), at most ``most``; None if bad."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        p.add(f"{name}: expected a number of {unit} > 0, got {describe_value(value)}", wrong_type=True)
+        return None
+    v = float(value)
+    if not (math.isfinite(v) and v > 0 and (most is None or v <= most)):
+        p.add(f"{name}: expected a finite number of {unit} > 0" + (f" and at most {most:g}" if most else "")
+              + f", got {value!r}")
+        return None
+    return v
+
+
+def _arguments(what: str, n_ranks, *, max_tokens, top_k, hidden, n_local_experts, payload, capacity, align,
+               expert_stride, zero_padding, timeout_ms, process: tuple | None = None,
+               more: tuple = ()) -> tuple[DispatchShape, int]:
+    """Every argument ``Dispatch`` and ``DispatchRank`` share, checked before anything is
+    allocated, with every problem raised at once (named as those classes' keywords).
+
+    Args:
+        what: the class, for the error.
+        timeout_ms: the device waits' deadline: a finite number of milliseconds, at least one
+            nanosecond, at most ``MAX_TIMEOUT_MS``.
+        process: ``(rank, exchange, sync_timeout_s)`` for DispatchRank: rank 0..n_ranks-1,
+            an exchange that says it is that rank of n_ranks, the host syncs' deadline
+            (a finite number of seconds > 0).
+        more: further problems the caller found (messages).
+
+    Returns:
+        (the shape, the deadline in ns).
+
+    Raises:
+        ConfigError: every bad argument, named (ConfigTypeError when one is of the wrong type).
+    """
+    p = _Problems()
+    _shape(p, n_ranks, n_local_experts, top_k, max_tokens, hidden, payload, capacity, align, expert_stride,
+           zero_padding, local="n_local_experts")
+    ms = _wait_time(p, "timeout_ms", timeout_ms, "milliseconds", MAX_TIMEOUT_MS)
+    if ms is not None and int(ms * 1e6) < 1:
+        p.add(f"timeout_ms: expected at least one nanosecond (1e-06), got {timeout_ms!r}")
+    if process is not None:
+        rank, exchange, sync_timeout_s = process
+        R = _Problems().int("n_ranks", n_ranks, 1, P3_MAX_RANKS)      # its problem, if any, is noted above
+        p.int("rank", rank, 0, None if R is None else R - 1)
+        said = (getattr(exchange, "rank", None), getattr(exchange, "n_ranks", None))
+        if said != (rank, n_ranks):
+            p.add(f"exchange: expected rank {rank!r} of {n_ranks!r}, it says rank {said[0]!r} of {said[1]!r}")
+        _wait_time(p, "sync_timeout_s", sync_timeout_s, "seconds", None)
+    for m in more:
+        p.add(m)
+    p.raise_any(what)
+    return (DispatchShape(n_ranks, n_local_experts, top_k, max_tokens, hidden, payload, capacity, align,
+                          expert_stride, zero_padding), int(float(timeout_ms) * 1e6))
 
 
 def record_init() -> np.ndarray:
@@ -291,6 +491,22 @@ class RankDispatch:
         self.timeout_ns, self.guard, self.same_gpu = int(timeout_ns), guard, same_gpu
         cap, K, E, R = max(sh.capacity, 1), sh.top_k, sh.n_experts, sh.n_ranks
         slots = max(sh.max_tokens, 1) * K
+        # the kernels and the count kernel's shared memory first: a shape this GPU cannot
+        # run is refused before anything is allocated
+        self.count_threads = COUNT_THREADS
+        while True:
+            W = self.count_threads // 32
+            self.count_smem = 8 * E * W + 4 * R * E + 16 * E
+            if self.count_smem <= device.smem_optin or self.count_threads <= 512:
+                break
+            self.count_threads //= 2
+        if self.count_smem > device.smem_optin:
+            raise ConfigError([f"n_local: {E} experts need {self.count_smem} B of shared memory in "
+                               f"p3_dispatch_count; {device.name} allows {device.smem_optin}"], "dispatch")
+        self.k_count = kernel("p3_dispatch_count", device)
+        self.k_send = kernel("p3_dispatch_send", device)
+        self.k_wait = kernel("p3_dispatch_wait", device)
+        driver.set_max_dynamic_smem(self.k_count.func, max(self.count_smem, 1))
         self.recv_x_alloc = alloc(cap * sh.x_bytes + 2 * guard, SENTINEL, "recv_x")
         self.recv_scales_alloc = alloc(cap * sh.s_bytes + 2 * guard, SENTINEL, "recv_scales") if sh.s_bytes else None
         self.src_info_alloc = alloc(8 * cap + 2 * guard, 0xFF, "src_info")
@@ -307,21 +523,7 @@ class RankDispatch:
         self.x = alloc(max(sh.max_tokens, 1) * sh.x_bytes, None, "x") if inputs else None
         self.scales = alloc(max(sh.max_tokens, 1) * sh.s_bytes, None, "scales") if inputs and sh.s_bytes else None
         self.topk_idx = alloc(8 * slots, None, "topk_idx") if inputs else None
-        self.tokens, self.int64 = 0, False
-        self.k_count = kernel("p3_dispatch_count", device)
-        self.k_send = kernel("p3_dispatch_send", device)
-        self.k_wait = kernel("p3_dispatch_wait", device)
-        self.count_threads = COUNT_THREADS
-        while True:
-            W = self.count_threads // 32
-            self.count_smem = 8 * E * W + 4 * R * E + 16 * E
-            if self.count_smem <= device.smem_optin or self.count_threads <= 512:
-                break
-            self.count_threads //= 2
-        if self.count_smem > device.smem_optin:
-            raise ConfigError([f"n_local: {E} experts need {self.count_smem} B of shared memory in "
-                               f"p3_dispatch_count; {device.name} allows {device.smem_optin}"], "dispatch")
-        driver.set_max_dynamic_smem(self.k_count.func, max(self.count_smem, 1))
+        self.tokens, self.int64, self.topk_addr = 0, False, 0
         self.b_count = self.k_count.params_block()
         self.b_push = self.k_count.params_block()
         self.b_layout = self.k_count.params_block()
@@ -575,30 +777,57 @@ class Dispatch:
     tensors (``stacked_views``); no guards then. ``fused``: each rank's count kernel waits for every
     other's inside one launch (they run at once); False: every launch that waits for
     another rank is ordered after it by events (the count split in two launches, each
-    wait after every send), for schedulers that serialise kernels (compute-sanitizer)."""
+    wait after every send), for schedulers that serialise kernels (compute-sanitizer).
+
+    Args:
+        n_ranks: ranks of the dispatch, all on this GPU.
+        max_tokens: tokens per rank and step, at most.
+        top_k: experts per token.
+        hidden: the token width in elements.
+        n_local_experts: experts per rank (n_ranks * n_local_experts in all).
+        payload, capacity, align, expert_stride, zero_padding: as ``DispatchShape`` (the
+            payload "bf16" or "fp8", the receive arrays' rows, the layout).
+        device: the Device (default: ``driver.device()``).
+        timeout_ms: the device waits' deadline in milliseconds (> 0, at most 1e7); a wait
+            past it makes ``check`` raise DispatchTimeout.
+        guard: pad every receive array with GUARD sentinel bytes each side (tests check
+            them untouched); not with ``stacked``.
+        inputs: allocate upload buffers for ``set_inputs``; False: the inputs are the
+            caller's device arrays (``bind``).
+        fused, stacked: as above.
+
+    Raises:
+        ConfigError: every bad argument, named, before anything is allocated.
+    """
 
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  payload: str = "bf16", capacity: int | None = None, align: int = 1, expert_stride: int = 0,
                  zero_padding: bool | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
                  guard: bool = False, inputs: bool = True, fused: bool = True, stacked: bool = False):
+        self.shape, self.timeout_ns = _arguments(
+            "Dispatch", n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden, n_local_experts=n_local_experts,
+            payload=payload, capacity=capacity, align=align, expert_stride=expert_stride, zero_padding=zero_padding,
+            timeout_ms=timeout_ms, more=["guard: stacked outputs have no guards"] if stacked and guard else ())
         self.fused = fused
-        self.shape = DispatchShape(n_ranks, n_local_experts, top_k, max_tokens, hidden, payload, capacity, align,
-                                   expert_stride, zero_padding)
-        if not (0 < timeout_ms <= 1e7):
-            raise ConfigError([f"timeout_ms: expected > 0 and at most 1e7, got {timeout_ms}"], "Dispatch")
+        self._bufs, self.slabs, self.ranks = [], {}, []
+        self.streams, self.origin, self.fork, self.done, self.pushed, self.sent = [], None, None, [], [], []
+        try:
+            self._build(device, guard, inputs, stacked)
+        except BaseException as e:           # nothing made so far outlives the failure
+            self._release(during=e)
+            raise
+
+    def _build(self, device, guard: bool, inputs: bool, stacked: bool) -> None:
+        n_ranks = self.shape.n_ranks
         self.dev = device or driver.device()
-        self.timeout_ns = int(timeout_ms * 1e6)
-        self._bufs, self.slabs = [], {}
-        if stacked and guard:
-            raise ConfigError(["guard: stacked outputs have no guards"], "Dispatch")
-        self.ranks = []
         for r in range(n_ranks):
             def alloc(n, fill=None, name="", r=r):
                 if stacked and name in STACKED:
                     slab = self.slabs.get(name)
                     if slab is None:             # one allocation of every rank's share: (R, ...) views
-                        slab = self.slabs[name] = driver.DeviceBuffer(n_ranks * n, fill=fill)
+                        slab = driver.DeviceBuffer(n_ranks * n, fill=fill)
                         self._bufs.append(slab)
+                        self.slabs[name] = slab
                     return SubBuffer(slab, r * n, n)
                 b = driver.DeviceBuffer(n, fill=fill)
                 self._bufs.append(b)
@@ -608,20 +837,27 @@ class Dispatch:
         peers = [rd.peer_info() for rd in self.ranks]
         for rd in self.ranks:
             rd.connect(peers)
-        self.streams = [driver.Stream() for _ in range(n_ranks)]
+        for _ in range(n_ranks):             # appended one by one: a failure leaves the made ones listed
+            self.streams.append(driver.Stream())
         self.origin = driver.Stream()
         self.fork = driver.Event(timing=False)
-        self.done = [driver.Event(timing=False) for _ in range(n_ranks)]
-        self.pushed = [driver.Event(timing=False) for _ in range(n_ranks)]
-        self.sent = [driver.Event(timing=False) for _ in range(n_ranks)]
+        for events in (self.done, self.pushed, self.sent):
+            for _ in range(n_ranks):
+                events.append(driver.Event(timing=False))
 
     @property
     def n_ranks(self) -> int:
         return self.shape.n_ranks
 
     def set_inputs(self, r: int, *, x, topk_idx, scales=None) -> None:
-        """Upload rank r's tokens (bf16 bits uint16 (T, hidden), or e4m3 bytes uint8 (T, hidden)
-        with f32 scales (T, hidden/128)) and topk_idx (int32 or int64 (T, top_k))."""
+        """Upload rank r's inputs from numpy into the buffers it owns (``inputs=True``).
+
+        Args:
+            r: the rank, 0..n_ranks-1.
+            x: the tokens: bf16 bits uint16 (T, hidden), or e4m3 bytes uint8 (T, hidden).
+            topk_idx: int32 or int64 (T, top_k) global expert ids, -1 masked, T <= max_tokens.
+            scales: fp8 only: f32 (T, hidden/128); None for bf16.
+        """
         self.ranks[r].set_inputs(x=x, topk_idx=topk_idx, scales=scales)
 
     def bind(self, r: int, *, x, topk_idx, scales=None) -> None:
@@ -701,26 +937,25 @@ class Dispatch:
         self.check()
 
     def check(self) -> None:
-        """After a step has completed: raise DispatchTimeout naming every (rank, source) that
-        never arrived (re-arming every rank's epoch first), ConfigError for a kernel that
-        refused its arguments, or DispatchError for routing errors; the records reset."""
-        missing, msgs, rejected = [], [], []
+        """After a step has completed: read (and reset) every rank's record once, re-arm
+        every rank's epoch if a wait timed out, and raise what the records hold, the cause
+        first (``step_error``): DispatchError for a kernel that rejected its arguments
+        (naming the rank and the record bits, then the waits that timed out for it),
+        DispatchTimeout naming every (rank, source) that never arrived, DispatchError for
+        routing errors."""
+        records = {rd.rank: rd.record() for rd in self.ranks}
+        missing, routing = [], []
         for rd in self.ranks:
-            rec = rd.record()
-            m, p = rd.problems(rec)
+            m, msgs = rd.problems(records[rd.rank])
             missing += m
-            msgs += p
-            if rec["rejected"]:
-                names = [n for bit, n in KERNEL_BITS if rec["rejected"] & bit]
-                rejected.append(f"rank {rd.rank}: {', '.join(names)} rejected its arguments")
+            routing += msgs
         if missing:
             for rd in self.ranks:
                 rd.rearm()
-            raise DispatchTimeout(missing, self.timeout_ns)
-        if rejected:
-            raise ConfigError(rejected, "dispatch launch")
-        if msgs:
-            raise DispatchError(msgs)
+        err = step_error({r: rec["rejected"] for r, rec in records.items()}, missing, routing, self.timeout_ns,
+                         records)
+        if err is not None:
+            raise err
 
     def handle(self, r: int) -> dict:
         """Rank r's ``RankDispatch.handle()``."""
@@ -751,14 +986,16 @@ class Dispatch:
         return out
 
     def close(self) -> None:
-        """Close the streams and events and free every device buffer this Dispatch allocated."""
-        for s in self.streams + [self.origin]:
-            s.close()
-        for ev in self.done + self.pushed + self.sent + [self.fork]:
-            ev.close()
-        for b in self._bufs:
-            b.free()
+        """Close the streams and events and free every device buffer this Dispatch allocated:
+        every step is tried, the first failure raised after the last."""
+        self._release()
+
+    def _release(self, during: BaseException | None = None) -> None:
+        owned = [s for s in self.streams + [self.origin] if s is not None]
+        events = [ev for ev in self.done + self.pushed + self.sent + [self.fork] if ev is not None]
+        steps = [s.close for s in owned] + [ev.close for ev in events] + [b.free for b in self._bufs]
         self._bufs = []
+        release(steps, during)
 
 
 class DispatchRank:
@@ -771,26 +1008,42 @@ class DispatchRank:
     ``sync``: None: on when any two ranks share a GPU (the same on every rank). Kernels of
     different processes time-slice one GPU, so with ``sync`` a ``step`` splits the count
     kernel and puts a host barrier before each launch that waits for another rank (as
-    ``Rank.round`` does); across GPUs ``enqueue`` runs the fused step with no host wait."""
+    ``Rank.round`` does); across GPUs ``enqueue`` runs the fused step with no host wait.
+
+    Args:
+        rank: this process's rank, 0..n_ranks-1.
+        n_ranks: ranks of the dispatch, one process each.
+        exchange: the host exchange; it must say it is ``rank`` of ``n_ranks``.
+        max_tokens, top_k, hidden, n_local_experts, payload, capacity, align, expert_stride,
+            zero_padding, timeout_ms, guard, inputs: as ``Dispatch`` (the same on every rank:
+            construction compares the shapes).
+        device: the GPU ordinal (default: $P3SEND_DEVICE or 0).
+        sync_timeout_s: the host barriers' deadline in seconds (> 0; ``barrier``).
+        sync: as above.
+    """
 
     def __init__(self, rank: int, n_ranks: int, exchange, *, max_tokens: int, top_k: int, hidden: int,
                  n_local_experts: int, payload: str = "bf16", capacity: int | None = None, align: int = 1,
                  expert_stride: int = 0, zero_padding: bool | None = None, device: int | None = None,
                  timeout_ms: float = 2000.0, sync_timeout_s: float = 60.0, guard: bool = False,
                  inputs: bool = True, sync: bool | None = None):
-        self.shape = DispatchShape(n_ranks, n_local_experts, top_k, max_tokens, hidden, payload, capacity, align,
-                                   expert_stride, zero_padding)
-        problems = []
-        if not (0 <= rank < n_ranks):
-            problems.append(f"rank: expected 0..{n_ranks - 1}, got {rank}")
-        if (getattr(exchange, "rank", None), getattr(exchange, "n_ranks", None)) != (rank, n_ranks):
-            problems.append(f"exchange: expected rank {rank} of {n_ranks}")
-        if problems:
-            raise ConfigError(problems, f"DispatchRank {rank}")
-        self.rank, self.exchange, self.sync_timeout_s = rank, exchange, float(sync_timeout_s)
-        self.timeout_ns = int(timeout_ms * 1e6)
-        self.dev = driver.device(device)
+        self.shape, self.timeout_ns = _arguments(
+            f"DispatchRank {rank}", n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
+            n_local_experts=n_local_experts, payload=payload, capacity=capacity, align=align,
+            expert_stride=expert_stride, zero_padding=zero_padding, timeout_ms=timeout_ms,
+            process=(rank, exchange, sync_timeout_s))
+        self.rank, self.exchange, self.sync_timeout_s = int(rank), exchange, float(sync_timeout_s)
+        self.dev, self.rd, self.stream = None, None, None
         self._bufs, self._mapped, self._closed = [], [], False
+        try:
+            self._connect(device, guard, inputs, sync)
+        except BaseException as e:           # what was made is released; the peers find out at their next sync
+            self._release(sync=False, during=e)
+            raise
+
+    def _connect(self, device, guard: bool, inputs: bool, sync) -> None:
+        rank, n_ranks = self.rank, self.shape.n_ranks
+        self.dev = driver.device(device)
 
         def alloc(n, fill=None, name=""):
             b = driver.DeviceBuffer(n, fill=fill)
@@ -803,11 +1056,10 @@ class DispatchRank:
                   "src_info": (rd.src_info_alloc, rd.guard), "xcount": (rd.xcount, 0), "flags": (rd.flags, 0)}
         handles = {n: (None if b is None else driver.ipc_get_handle(b), off) for n, (b, off) in shared.items()}
         mine = {"rank": rank, "bus_id": driver.pci_bus_id(self.dev.ordinal), "shape": self.shape, "handles": handles}
-        infos = exchange.allgather(mine)
+        infos = self.exchange.allgather(mine)
         bad = [f"rank {i}: shape {info['shape']} differs from this rank's {self.shape}"
                for i, info in enumerate(infos) if info["shape"] != self.shape]
         if bad:
-            self.close(sync=False)
             raise ConfigError(bad, f"DispatchRank {rank} world")
         peers = []
         for p, info in enumerate(infos):
@@ -891,7 +1143,7 @@ class DispatchRank:
                 this rank's own).
 
         Raises:
-            DispatchTimeout, ConfigError, DispatchError: as ``check``.
+            DispatchError, DispatchTimeout: as ``check``.
             ExchangeTimeout: a rank did not reach a barrier (with ``sync``) or ``check``'s
                 allgather in time.
         """
@@ -911,41 +1163,52 @@ class DispatchRank:
         self.check()
 
     def check(self) -> None:
-        """After this rank's step has completed: an allgather of "did a wait time out"; if
-        any rank's did, every rank re-arms its epoch, exchange and flags between two
-        barriers, and this rank raises DispatchTimeout naming what it missed (or ConfigError /
-        DispatchError for a rejected launch / routing errors of its own)."""
+        """After this rank's step has completed: read (and reset) this rank's record once,
+        then an allgather of (did a wait time out, what did the device reject); if any
+        rank's wait timed out, every rank re-arms its epoch, exchange and flags between two
+        barriers. This rank then raises what it found, the cause first (``step_error``):
+        DispatchError for a launch rejected here, or on a peer when this rank has a problem
+        of its own (a peer that rejected its launch is why this rank timed out), then
+        DispatchTimeout naming what it missed, then DispatchError for its routing errors."""
         rec = self.rd.record()
-        missing, msgs = self.rd.problems(rec)
-        if any(self.exchange.allgather(bool(missing))):
+        missing, routing = self.rd.problems(rec)
+        views = self.exchange.allgather((bool(missing), int(rec["rejected"])))
+        if any(timed_out for timed_out, _ in views):
             self.barrier()                 # every rank's kernels of the step have finished
             self.rd.rearm()
             self.barrier()
-        if missing:
-            raise DispatchTimeout(missing, self.timeout_ns)
-        if rec["rejected"]:
-            raise ConfigError([f"rank {self.rank}: {', '.join(n for b, n in KERNEL_BITS if rec['rejected'] & b)} "
-                               "rejected its arguments"], "dispatch launch")
-        if msgs:
-            raise DispatchError(msgs)
+        if not (missing or routing or rec["rejected"]):
+            return
+        err = step_error({p: mask for p, (_, mask) in enumerate(views)}, missing, routing, self.timeout_ns,
+                         {self.rank: rec})
+        if err is not None:
+            raise err
 
     def close(self, sync: bool = True) -> None:
-        """Unmap the peers' arrays, then (after a barrier with ``sync``) free this rank's own."""
-        if self._closed:
-            return
+        """Unmap the peers' arrays, then (after a barrier with ``sync``) free this rank's own.
+        Every step is tried even when one fails (a barrier that times out still frees this
+        rank's buffers); the first failure is raised after the last step."""
+        if not self._closed:
+            self._release(sync)
+
+    def _release(self, sync: bool, during: BaseException | None = None) -> None:
         self._closed = True
-        for ptr in self._mapped:
-            driver.ipc_close(ptr)
+        steps = [] if self.dev is None else [self.dev.activate]
+        if self.stream is not None:
+            steps.append(self.stream.synchronize)      # nothing of this rank still reads a peer's memory
+        steps += [lambda ptr=ptr: driver.ipc_close(ptr) for ptr in self._mapped]
         if sync:
-            self.barrier()
-        if getattr(self, "stream", None) is not None:
-            self.stream.close()
-        for b in self._bufs:
-            b.free()
+            steps.append(self.barrier)     # every peer has unmapped this rank's arrays
+        if self.stream is not None:
+            steps.append(self.stream.close)
+        steps += [b.free for b in self._bufs]
+        self._mapped, self._bufs = [], []
+        release(steps, during)
 
     def __enter__(self) -> DispatchRank:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.close(sync=exc_type is None)
+        if not self._closed:
+            self._release(sync=exc_type is None, during=exc)
         return False

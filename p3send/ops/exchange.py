@@ -14,8 +14,9 @@ from ..abi.errors import ConfigError, P3SendError
 
 
 class ExchangeTimeout(P3SendError, TimeoutError):
-    """A host sync of the world did not complete in time. ``ranks``: the ranks that did
-    not arrive, when the exchange can tell (else None)."""
+    """A host sync of the world did not complete in time. ``message``: what did not
+    complete, and after how long; ``ranks``: the ranks that did not arrive, when the
+    exchange can tell (else None)."""
 
     def __init__(self, message: str, ranks=None):
         self.ranks = None if ranks is None else sorted(ranks)
@@ -31,6 +32,8 @@ class ProcessExchange:
     argument, and call ``bind(rank)`` in the child (``run_ranks`` does both). Built from
     a ``multiprocessing.Barrier``, one inbox ``Queue`` per rank, and a shared array of
     barrier arrivals per rank, which names the ranks missing from a broken barrier.
+    ``timeout_s``: the default deadline of ``allgather`` and ``barrier`` in seconds;
+    ``ctx``: the multiprocessing context the children are started with (default 'spawn').
     """
 
     def __init__(self, n_ranks: int, *, timeout_s: float = 60.0, ctx=None):
@@ -181,7 +184,8 @@ class MPIExchange:
     """allgather and barrier through mpi4py. The barrier is ``Ibarrier`` polled against a
     deadline (MPI's blocking ``Barrier`` has no timeout; MPI cannot say who is missing);
     ``allgather`` passes such a barrier first so a dead peer cannot hang the blocking
-    ``comm.allgather`` that follows."""
+    ``comm.allgather`` that follows. ``comm``: the communicator (default ``MPI.COMM_WORLD``);
+    ``timeout_s``: the default deadline of ``allgather`` and ``barrier`` in seconds."""
 
     def __init__(self, comm=None, *, timeout_s: float = 60.0):
         try:

@@ -17,6 +17,7 @@ loading, the checks their arguments have in common and the device-side arguments
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from ..abi.config import P3PeerSendConfig, P3SendCtx
 from ..abi.errors import ConfigError, P3SendError
 from ..cuda import driver, ptxdoc
 from ..cuda.loader import ParamBlock, kernel, link, load, ptx_dir
-from .args import aligned, nbytes
+from .args import address, aligned, array_layout, contiguous, nbytes, run_once
 from .send import SendLauncher
 
 ENTRY = "p3_gemm_send"
@@ -33,31 +34,6 @@ SMEM = 215764            # the kernel's dynamic shared memory (its PTX header, L
 BN, BK = 256, 64         # output columns per tile, K per pipeline stage
 MAX_EXPERTS = 128
 LINK_MAX_REGISTERS = 168  # 65536 / 384 threads, rounded down to 8
-
-
-def _is_torch(obj) -> bool:
-    # torch refuses __cuda_array_interface__ for bf16: read such tensors directly
-    return hasattr(obj, "data_ptr") and hasattr(obj, "element_size") and hasattr(obj, "is_contiguous")
-
-
-def _shape(obj):
-    """(shape, strides or None when contiguous, item size), or Nones for a bare buffer."""
-    if _is_torch(obj):
-        return tuple(obj.shape), None if obj.is_contiguous() else tuple(obj.stride()), obj.element_size()
-    cai = getattr(obj, "__cuda_array_interface__", None) if not isinstance(obj, driver.DeviceBuffer) else None
-    if cai is not None:
-        return tuple(cai["shape"]), cai.get("strides"), np.dtype(cai["typestr"]).itemsize
-    return None, None, None
-
-
-def _addr(obj, name: str) -> int:
-    return int(obj.data_ptr()) if _is_torch(obj) else driver.device_ptr(obj, name)
-
-
-def _size(obj) -> int | None:
-    if _is_torch(obj):
-        return obj.numel() * obj.element_size() if obj.is_contiguous() else None
-    return nbytes(obj)
 
 
 def require_hopper(dev: driver.Device, entry: str = ENTRY, needs: str = "wgmma, setmaxnreg") -> None:
@@ -95,6 +71,105 @@ def module_text(entry: str, variant_ptx: str | None = None, *, linked: bool = Fa
     return ptxdoc.module_text(text, [("p3_send_rows.ptx", (ptx_dir() / "p3_send_rows.ptx").read_text())])
 
 
+class DeviceArgsCache:
+    """Device copies of launches' device-side arguments (a P3SendCtx and tensor maps: one
+    payload of ``slot_bytes`` bytes), one per distinct content, in ``slots`` slots of one
+    allocation: launches enqueued one after another never rewrite what an earlier one may
+    still read.
+
+    ``acquire`` gives a payload's slot for a launch on a stream: a payload held already
+    is launched from its slot again, with no upload and no host wait; a new one is uploaded
+    into a free slot, or, once every slot is taken, into the least recently used one after
+    the launches that read it have completed (a host wait on the event ``launched`` recorded
+    at its last launch).
+
+    Args:
+        slot_bytes: bytes per payload (a multiple of 64: tensor maps need 64-byte alignment).
+        slots: how many payloads are kept.
+    """
+
+    def __init__(self, slot_bytes: int, slots: int):
+        if slot_bytes <= 0 or slot_bytes % 64 or slots < 1:
+            raise ConfigError([f"slot_bytes, slots: expected a positive multiple of 64 and >= 1, got {slot_bytes}, "
+                               f"{slots}"], "device-argument cache")
+        self.slot_bytes, self.slots = int(slot_bytes), int(slots)
+        self.buf = driver.DeviceBuffer(self.slot_bytes * self.slots)
+        self.index: OrderedDict = OrderedDict()    # payload -> slot, least recently used first
+        self.free = list(range(self.slots - 1, -1, -1))
+        self.events: list = [None] * self.slots    # the event of each slot's last launch
+        self.streams: list = [None] * self.slots   # the handle of the stream it was recorded on
+
+    def address(self, slot: int) -> int:
+        """The device address of ``slot``.
+
+        Args:
+            slot: from ``acquire``.
+
+        Returns:
+            The address (64-byte aligned).
+        """
+        return self.buf.ptr + slot * self.slot_bytes
+
+    def acquire(self, payload: bytes, stream: driver.Stream) -> int:
+        """The slot holding ``payload`` for a launch on ``stream``, uploading it there when new.
+
+        Args:
+            payload: the ``slot_bytes`` bytes the launch reads.
+            stream: the launch's stream.
+
+        Returns:
+            The slot (``address`` gives its address); its content is ``payload`` for every
+            launch enqueued on ``stream`` from now on.
+        """
+        if len(payload) != self.slot_bytes:
+            raise ConfigError([f"payload: expected {self.slot_bytes} bytes, got {len(payload)}"],
+                              "device-argument cache")
+        i = self.index.get(payload)
+        if i is not None:
+            self.index.move_to_end(payload)
+            if self.events[i] is not None and self.streams[i] != int(stream):
+                # its last reader ran on another stream: this launch (and so its event) follows it
+                stream.wait(self.events[i])
+            return i
+        if self.free:
+            i = self.free.pop()
+        else:
+            _, i = self.index.popitem(last=False)
+            if self.events[i] is not None:
+                self.events[i].synchronize()      # the slot's readers are done before it is rewritten
+        try:
+            self.buf.upload(np.frombuffer(payload, dtype=np.uint8), stream, offset=i * self.slot_bytes)
+        except BaseException:
+            self.free.append(i)
+            raise
+        self.index[payload] = i
+        return i
+
+    def launched(self, slot: int, stream: driver.Stream) -> None:
+        """Record that a launch reading ``slot`` was enqueued on ``stream``.
+
+        Args:
+            slot: from ``acquire``.
+            stream: the launch's stream.
+
+        Returns:
+            None.
+        """
+        if self.events[slot] is None:
+            self.events[slot] = driver.Event(timing=False)
+        self.events[slot].record(stream)
+        self.streams[slot] = int(stream)
+
+    def close(self) -> None:
+        """Free the slots and their events."""
+        for ev in self.events:
+            if ev is not None:
+                ev.close()
+        self.events = [None] * self.slots
+        self.index.clear()
+        self.buf.free()
+
+
 class GroupedGemmLauncher(SendLauncher):
     """What the grouped-GEMM launchers (``GroupedGemmSend``, ``GroupedGemmFp8Send``) share: the
     kernel loaded (inlined, linked or a variant), the sender state (zeroed once,
@@ -103,7 +178,13 @@ class GroupedGemmLauncher(SendLauncher):
     the kernel's ``ENTRY``, ``THREADS``, ``SMEM`` (its dynamic shared memory), ``BN`` and
     ``BK`` (the multiples N and K must be), ``MAX_EXPERTS``, ``LINK_MAX_REGISTERS`` (the linked
     route's cap), ``NEEDS`` (what of sm_90a it needs, for the refusal of other GPUs) and
-    ``KIND`` (the prefix of its messages)."""
+    ``KIND`` (the prefix of its messages).
+
+    Two ways to launch: ``prepare`` a block (each block has its device-side arguments in its
+    own buffer, uploaded synchronously: not while that block's launch is in flight) and
+    ``launch`` it as often as wanted; or call the launcher, which may be called again while
+    earlier calls are still queued (``__call__``: the device-side arguments are kept per
+    distinct content in ``device_args``, ``DEVICE_ARGS_SLOTS`` of them)."""
 
     ENTRY: str
     THREADS: int
@@ -114,6 +195,8 @@ class GroupedGemmLauncher(SendLauncher):
     LINK_MAX_REGISTERS: int
     NEEDS: str
     KIND = ""
+    #: distinct device-side argument sets (P3SendCtx + tensor maps) ``__call__`` keeps uploaded
+    DEVICE_ARGS_SLOTS = 128
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, linked: bool = False,
                  num_sms: int | None = None, variant_ptx: str | None = None):
@@ -144,6 +227,8 @@ class GroupedGemmLauncher(SendLauncher):
         self.diag = driver.DeviceBuffer(16, fill=0)
         self.block = self.k.params_block()
         self._dev_args: dict = {}   # id(parameter block) -> its P3SendCtx and tensor maps on the device
+        self.device_args: DeviceArgsCache | None = None    # __call__'s, made on its first launch
+        self._one_shot = False      # prepare() inside __call__: the upload is left to the launch
 
     def check_weights(self, name: str, shape: tuple, n_cols, k_dim, k_of: str, problems: list):
         """The weights' shape (E, N, K), once known to be one: E must be ``n_experts`` and K, when
@@ -240,7 +325,7 @@ class GroupedGemmLauncher(SendLauncher):
         Returns:
             (address, bytes or None, row stride).
         """
-        return _addr(c, "c"), _size(c), stride
+        return address(c, "c"), nbytes(c), stride
 
     def check_c(self, c, c_row_stride: int | None, rows: int, n_cols: int, send: bool,
                 problems: list) -> tuple[int, int]:
@@ -296,7 +381,9 @@ class GroupedGemmLauncher(SendLauncher):
     def fill_block(self, into: ParamBlock | None, cfg: P3PeerSendConfig, sargs, send: bool, p3_control: int,
                    maps: bytes, **params) -> ParamBlock:
         """Upload the block's P3SendCtx (at 0) and tensor maps (at 256, 64-byte aligned) to its
-        own device buffer (made on its first use, synchronously) and fill the block.
+        own device buffer (made on its first use, synchronously) and fill the block; inside
+        ``__call__`` only keep those bytes as ``block.device_args`` (its launch finds or
+        uploads them in ``device_args``).
 
         Args:
             into: the block, or None: the launcher's own.
@@ -314,11 +401,49 @@ class GroupedGemmLauncher(SendLauncher):
         ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = sargs.expert_offsets, self.state.ptr, self.diag.ptr
         ctx.n_experts, ctx.flags, ctx.p3_control = self.n_experts, sargs.flags, int(p3_control) if send else -1
         blk = into or self.block
+        blk.device_args = bytes(ctx) + bytes(256 - ctypes.sizeof(ctx)) + maps
+        if self._one_shot:
+            return blk.set(cfg=cfg, **params)
         dev_args = self._dev_args.get(id(blk))
         if dev_args is None:
-            dev_args = self._dev_args[id(blk)] = driver.DeviceBuffer(256 + len(maps), fill=0)
-        dev_args.upload(np.frombuffer(bytes(ctx) + bytes(256 - ctypes.sizeof(ctx)) + maps, dtype=np.uint8))
+            dev_args = self._dev_args[id(blk)] = driver.DeviceBuffer(len(blk.device_args), fill=0)
+        dev_args.upload(np.frombuffer(blk.device_args, dtype=np.uint8))
         return blk.set(cfg=cfg, ctx=dev_args.ptr, tmaps=dev_args.ptr + 256, **params)
+
+    def __call__(self, *args, stream=None, **kw) -> None:
+        """``prepare(*args, **kw)`` and launch: on ``stream`` with no host wait, or, without
+        one, on a temporary stream, synchronized (and closed also when the launch raises).
+
+        Calls may follow each other on a stream while earlier ones are still queued (the
+        torch ops' case). The device-side arguments (P3SendCtx and tensor maps: the arrays'
+        addresses, shapes and strides, the offsets and count_ptrs addresses, the flags,
+        p3_control and the tile height) are kept per distinct content in ``device_args``: a
+        call equal in them to one of the last ``DEVICE_ARGS_SLOTS`` distinct ones launches
+        with no upload and no host wait; a new one is uploaded on the stream first (a host
+        wait for that stream), into the least recently used slot once the launches reading it
+        have completed. What is passed by value (cfg, sb, c, its row stride, the sizes) is
+        copied at each launch. Not under CUDA graph capture (ConfigError): prepare a block
+        before the capture and launch it inside.
+        """
+        self._one_shot = True
+        try:
+            blk = self.prepare(*args, **kw)
+        finally:
+            self._one_shot = False
+        run_once(lambda s: self._launch_one_shot(driver.as_stream(s), blk), stream)
+
+    def _launch_one_shot(self, stream: driver.Stream, blk: ParamBlock) -> None:
+        if stream.capturing():
+            raise ConfigError(["stream: a call of the launcher cannot be captured into a CUDA graph (its "
+                               "device-side arguments live outside the graph); prepare a block before the "
+                               "capture and launch it inside"], f"{self.KIND}grouped-GEMM launch")
+        if self.device_args is None:
+            self.device_args = DeviceArgsCache(len(blk.device_args), self.DEVICE_ARGS_SLOTS)
+        slot = self.device_args.acquire(blk.device_args, stream)
+        addr = self.device_args.address(slot)
+        blk.set(ctx=addr, tmaps=addr + 256)
+        self.launch(stream, blk)
+        self.device_args.launched(slot, stream)
 
     def close(self) -> None:
         """Free the state, diagnostics, staging and the device-side arguments of every block."""
@@ -326,12 +451,17 @@ class GroupedGemmLauncher(SendLauncher):
         for b in self._dev_args.values():
             b.free()
         self._dev_args = {}
+        if self.device_args is not None:
+            self.device_args.close()
+            self.device_args = None
 
 
 class GroupedGemmSend(GroupedGemmLauncher):
     """Launcher for ``p3_gemm_send`` on one Hopper GPU. Owns the sender state (zeroed once,
     self-resetting), the diagnostics and the P3SendCtx.
 
+    n_experts: the experts of every launch (``expert_offsets`` holds n_experts + 1), 1..128.
+    device: the Device to launch on, a Hopper GPU (default: ``driver.device()``).
     linked: link the kernel with ``p3_send_rows.ptx`` through the driver's linker
     (docs/EMBEDDING.md (c); real calls, slower) instead of loading one module with the
     calls inlined (the default). num_sms: the persistent grid (default: every SM)."""
@@ -368,7 +498,7 @@ class GroupedGemmSend(GroupedGemmLauncher):
             into: fill this block (from ``self.k.params_block()``) instead of the launcher's
                 own; each block has its own P3SendCtx and tensor maps on the device, so several
                 prepared launches coexist. They are uploaded synchronously: do not prepare a
-                block while its launch is in flight.
+                block while its launch is in flight (calling the launcher has no such limit).
 
         Returns:
             The filled ParamBlock.
@@ -377,26 +507,27 @@ class GroupedGemmSend(GroupedGemmLauncher):
             ConfigError: every bad argument, listed, before anything is launched.
         """
         problems = []
-        xs, xstr, xi = _shape(x)
-        ws, wstr, wi = _shape(w)
+        xs, _, xi = array_layout(x)
+        ws, _, wi = array_layout(w)
+        x_strided, w_strided = contiguous(x) is False, contiguous(w) is False
         if xs is not None:
-            if len(xs) != 2 or xi != 2 or xstr is not None:
+            if len(xs) != 2 or xi != 2 or x_strided:
                 problems.append(f"x: expected a contiguous 2-byte (bf16) (rows, K) array, got shape {xs}, "
-                                f"{xi}-byte items{', strided' if xstr is not None else ''}")
+                                f"{xi}-byte items{', strided' if x_strided else ''}")
             else:
                 rows = xs[0] if rows is None else rows
                 k_dim = xs[1] if k_dim is None else k_dim
         if ws is not None:
-            if len(ws) != 3 or wi != 2 or wstr is not None:
+            if len(ws) != 3 or wi != 2 or w_strided:
                 problems.append(f"w: expected a contiguous bf16 (E, N, K) array, got shape {ws}, {wi}-byte items")
             else:
                 n_cols = self.check_weights("w", ws, n_cols, k_dim, "x", problems)
         rows, n_cols, k_dim = self.check_sizes(rows, n_cols, k_dim, "x", problems)
-        xa, wa = _addr(x, "x"), _addr(w, "w")
+        xa, wa = address(x, "x"), address(w, "w")
         aligned("x", xa, 16, problems)
         aligned("w", wa, 16, problems)
         for name, obj, need in (("x", x, 2 * rows * k_dim), ("w", w, 2 * self.n_experts * n_cols * k_dim)):
-            nb = _size(obj)
+            nb = nbytes(obj)
             if nb is not None and nb < need:
                 problems.append(f"{name}: expected at least {need} bytes, got {nb}")
         send, host, sargs = self.check_send(cfg, expert_offsets, expert_offsets_host, rows, n_cols, count_ptrs,

@@ -25,9 +25,9 @@ from ..abi.config import P3PeerSendConfig
 from ..abi.errors import ConfigError
 from ..cuda import driver
 from ..cuda.loader import ParamBlock
-from .args import aligned, array_arg
+from .args import aligned, array_arg, array_layout, check_rows_fit, span
 from .gemm import GroupedGemmLauncher
-from .quant import FP8_DTYPES, array_layout, check_rows_array, check_scales
+from .quant import FP8_DTYPES, check_rows_array, check_scales
 
 ENTRY = "p3_gemm_fp8_send"
 THREADS = 384
@@ -42,6 +42,8 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
     """Launcher for ``p3_gemm_fp8_send`` on one Hopper GPU. Owns the sender state (zeroed once,
     self-resetting), the diagnostics and, per parameter block, the P3SendCtx and tensor maps.
 
+    n_experts: the experts of every launch (``expert_offsets`` holds n_experts + 1), 1..128.
+    device: the Device to launch on, a Hopper GPU (default: ``driver.device()``).
     linked: link the kernel with ``p3_send_rows.ptx`` through the driver's linker (the route
     of docs/EMBEDDING.md (c)) instead of one module with the calls inlined (the default).
     num_sms: the persistent grid (default: every SM). variant_ptx: the text of a measurement
@@ -69,7 +71,8 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
             cfg: the sender's config; read only with the send on, when ``msg_bytes`` must be
                 2*n_cols (bf16 rows).
             a: e4m3 (rows, K) activations (float8_e4m3fn or uint8), unit column stride, rows
-                at a multiple of 16 bytes >= K, 16-byte aligned.
+                at a multiple of 16 bytes >= K, 16-byte aligned, covering ``(rows - 1) * row
+                stride + K`` bytes (checked where its size is known: not for an address).
             sa: float32 activation scales (rows, K/128) in the TMA-aligned MN-major layout
                 (what ``QuantFp8`` writes; ``ops.quant.check_scales``), 16-byte aligned.
             b: e4m3 (E, N, K) weights, contiguous (K innermost), E = ``n_experts``,
@@ -78,8 +81,9 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
             expert_offsets: int32 (E+1,): expert e's rows are ``[off[e], off[e+1])`` of a,
                 padding rows included; a device array, or numpy (uploaded and checked).
             c: the output C, bf16 (rows, n_cols) (bfloat16, uint16 or uint8 bytes) at
-                ``c_row_stride``, 16-byte aligned: required and written when the send is off,
-                else untouched (may be None).
+                ``c_row_stride``, 16-byte aligned, covering ``(rows - 1) * c_row_stride +
+                2*n_cols`` bytes: required and written when the send is off, else untouched
+                (may be None).
             rows: rows of a, 1..2^31-1 (default: a's leading dimension).
             n_cols: N, a positive multiple of 128 with E*N < 2^31 (default: b's dim 1).
             k_dim: K, a positive multiple of 128 (default: a's columns, else b's dim 2; b's
@@ -97,7 +101,8 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                 this (default 128, DeepGEMM's contiguous layout; 1: any start).
             into: fill this block (from ``self.k.params_block()``) instead of the launcher's
                 own; each block has its own P3SendCtx and tensor maps on the device, uploaded
-                synchronously: do not prepare a block while its launch is in flight.
+                synchronously: do not prepare a block while its launch is in flight (calling
+                the launcher has no such limit: ``GroupedGemmLauncher.__call__``).
 
         Returns:
             The filled ParamBlock.
@@ -125,6 +130,8 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                           nbytes_min=self.n_experts * n_cols * k_dim)
         aligned("a", aa, 16, problems)
         aligned("b", ba, 16, problems)
+        if rows >= 1 and k_dim > 0:             # what A's tensor map reads
+            check_rows_fit("a", a, rows, k_dim, a_stride, problems)
         saa, sa_col = check_scales("sa", sa, rows, k_dim, problems)
         n_sb = self.n_experts * (n_cols // BN) * (k_dim // BK) if n_cols > 0 and k_dim > 0 else 0
         sbs, _, _ = array_layout(sb)
@@ -161,10 +168,11 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
         """``GroupedGemmLauncher.c_address`` for this launcher's arrays: the row stride is
         ``stride`` unless no ``c_row_stride`` is given and ``c`` is a 2-D array of 2-byte items
         (then its own); its dtype must be bfloat16, uint16 or uint8 and its memory this GPU's
-        (else a problem is appended to ``problems``)."""
+        (else a problem is appended to ``problems``). Its size is the bytes it covers, strided
+        or not (``args.span``)."""
         cs, cstr, _ = array_layout(c)
         if cs is not None and c_row_stride is None and len(cs) == 2 and cstr[1] == 2:
             stride = cstr[0]
-        c_addr, nb = array_arg(c, "c", problems, dtypes=("bfloat16", "uint16", "uint8"), ordinal=self.dev.ordinal,
-                               strided_ok=True)
-        return c_addr, nb, stride
+        c_addr, _ = array_arg(c, "c", problems, dtypes=("bfloat16", "uint16", "uint8"), ordinal=self.dev.ordinal,
+                              strided_ok=True)
+        return c_addr, span(c), stride

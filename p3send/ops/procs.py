@@ -16,7 +16,8 @@ from .exchange import ProcessExchange
 
 @dataclass
 class RankOutcome:
-    """What one process of ``run_ranks`` did. exitcode None: it was still running at the
+    """What one process of ``run_ranks`` did. rank: its rank; device: the GPU ordinal it
+    was given ($P3SEND_DEVICE; None: the default); exitcode None: it was still running at the
     deadline (then terminated); value: what the target returned; error: what it raised,
     or why no result came."""
     rank: int

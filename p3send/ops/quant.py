@@ -1,5 +1,6 @@
 """``QuantFp8``: the activation quantiser of the FP8 down-projection (``ptx/p3_quant_fp8.ptx``),
-and the argument helpers the FP8 launchers share (``array_layout``, ``scale_layout``).
+and the argument helpers the FP8 launchers share (``scale_layout``, ``check_rows_array``,
+``check_scales``).
 
     quant = QuantFp8()
     quant(x, q, scales)            # x bf16 (rows, K) -> q e4m3 (rows, K), scales float32 MN-major
@@ -18,12 +19,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from ..abi.errors import ConfigError
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel
-from .args import aligned, array_arg
+from .args import aligned, array_arg, array_layout, check_rows_fit, run_once
 
 ENTRY = "p3_quant_fp8"
 THREADS = 256
@@ -44,27 +43,6 @@ def scale_layout(rows: int, k_dim: int) -> ScaleLayout:
     m_pad = -(-int(rows) // 4) * 4
     kb = -(-int(k_dim) // BLOCK)
     return ScaleLayout(m_pad, kb, 4 * m_pad, 4 * m_pad * kb)
-
-
-def array_layout(obj) -> tuple[tuple | None, tuple | None, int | None]:
-    """(shape, byte strides, bytes per element) of a torch tensor or ``__cuda_array_interface__``
-    object; (None, None, None) for a bare buffer or address (nothing to check)."""
-    if all(hasattr(obj, a) for a in ("data_ptr", "stride", "element_size", "shape")):
-        es = int(obj.element_size())
-        return tuple(int(d) for d in obj.shape), tuple(int(s) * es for s in obj.stride()), es
-    cai = getattr(obj, "__cuda_array_interface__", None) if not isinstance(obj, driver.DeviceBuffer) else None
-    if cai is None:
-        return None, None, None
-    shape = tuple(int(d) for d in cai["shape"])
-    item = np.dtype(cai["typestr"]).itemsize
-    strides = cai.get("strides")
-    if strides is None:
-        acc, out = 1, []
-        for d in reversed(shape):
-            out.append(acc * item)
-            acc *= d
-        strides = tuple(reversed(out))
-    return shape, tuple(int(s) for s in strides), item
 
 
 def check_rows_array(name: str, obj, rows: int | None, cols: int | None, problems: list,
@@ -127,11 +105,12 @@ class QuantFp8:
         """Check every argument and fill the parameter block (no launch).
 
         Args:
-            x: bf16 (rows, K) (bfloat16 or uint16 bits), unit column stride, 16-byte aligned:
-                a torch tensor, a ``__cuda_array_interface__`` object, a DeviceBuffer or an
-                address (for the last two give ``rows`` and ``k_dim``).
+            x: bf16 (rows, K) (bfloat16 or uint16 bits), unit column stride, 16-byte aligned,
+                covering ``(rows - 1) * x_row_stride + 2*K`` bytes: a torch tensor, a
+                ``__cuda_array_interface__`` object, a DeviceBuffer or an address (for the
+                last two give ``rows`` and ``k_dim``; an address's size is not checked).
             q: the output codes, e4m3 (rows, K) (float8_e4m3fn or uint8), unit column
-                stride, 16-byte aligned.
+                stride, 16-byte aligned, covering ``(rows - 1) * q_row_stride + K`` bytes.
             scales: the output scales, float32 in the TMA-aligned MN-major layout: a
                 (rows, K/128) view with byte strides (4, a multiple of 16 >= 4*rows), or a flat
                 buffer of at least ``scale_layout(rows, K).nbytes`` bytes; 16-byte aligned.
@@ -178,6 +157,9 @@ class QuantFp8:
         qa, _ = array_arg(q, "q", problems, dtypes=FP8_DTYPES, ordinal=ordinal, strided_ok=True)
         aligned("x", xa, 16, problems)
         aligned("q", qa, 16, problems)
+        if rows >= 1 and k_dim >= BLOCK:         # what the kernel reads of x and writes of q
+            check_rows_fit("x", x, rows, 2 * k_dim, xs, problems)
+            check_rows_fit("q", q, rows, k_dim, qs, problems)
         sa, scol = check_scales("scales", scales, rows, k_dim, problems)
         if problems:
             raise ConfigError(problems, "FP8 quantiser launch")
@@ -204,10 +186,7 @@ class QuantFp8:
         blk.launch((grid,), (THREADS,), stream)
 
     def __call__(self, x, q, scales, *, stream: driver.Stream | None = None, **kw) -> None:
-        """prepare and launch; synchronous when no stream is given."""
+        """prepare and launch; synchronous when no stream is given (the temporary stream is
+        closed also when the launch raises)."""
         blk = self.prepare(x, q, scales, **kw)
-        s = driver.Stream() if stream is None else stream
-        self.launch(s, blk)
-        if stream is None:
-            s.synchronize()
-            s.close()
+        run_once(lambda s: self.launch(s, blk), stream)

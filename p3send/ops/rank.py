@@ -74,9 +74,12 @@ class Rank:
                  n_local_experts: int, device: int | None = None, max_rows: int | None = None,
                  timeout_ms: float = 2000.0, sync_timeout_s: float = 60.0, sync_sends: bool | None = None,
                  guard: bool = False, row_cache: bool = False, num_sms: int | None = None, inputs: bool = True):
-        """inputs: allocate C, the routing inputs, topk_idx/weights and out here (``set_inputs``
-        uploads them); False: the caller owns them as device arrays and attaches them with
-        ``bind`` (e.g. torch tensors refreshed in place)."""
+        """n_local_experts: experts per rank; row_cache: give the send a row cache (one u64
+        per row of C, ``cfg.row_base_ptr``) and send with it; num_sms: the send's SM budget
+        (``ScatterSend.set_num_sms``; default every SM); inputs: allocate C, the routing
+        inputs, topk_idx/weights and out here (``set_inputs`` uploads them); False: the
+        caller owns them as device arrays and attaches them with ``bind`` (e.g. torch
+        tensors refreshed in place)."""
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or \

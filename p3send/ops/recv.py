@@ -14,7 +14,8 @@ from .args import aligned, array_arg
 class RecvReduce:
     """Launcher for ``p3_recv_reduce`` for one receiving rank: owns its state and record.
 
-    ``max_ctas`` caps the grid (default 4 CTAs per SM: a rank with the GPU to itself).
+    ``device``: the Device to launch on (default: ``driver.device()``); ``max_ctas`` caps the
+    grid (default 4 CTAs per SM: a rank with the GPU to itself).
     """
 
     THREADS = 256

@@ -12,7 +12,7 @@ from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig, P3SendCtx, validate
 from ..abi.errors import ConfigError, P3SendError
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel
-from .args import aligned, array_arg
+from .args import aligned, array_arg, run_once
 
 FLAG_ROW_CACHE = 1
 FLAG_SIGNAL = 2
@@ -125,13 +125,10 @@ class SendLauncher:
         (block or self.block).launch((self.grid,), (self.threads,), stream, self.smem)
 
     def __call__(self, *args, stream=None, **kw) -> None:
-        """prepare(*args, **kw) and launch; synchronous when no stream is given."""
+        """prepare(*args, **kw) and launch; synchronous when no stream is given (the temporary
+        stream is closed also when the launch raises)."""
         blk = self.prepare(*args, **kw)
-        s = driver.Stream() if stream is None else stream
-        self.launch(s, blk)
-        if stream is None:
-            s.synchronize()
-            s.close()
+        run_once(lambda s: self.launch(s, blk), stream)
 
     def diagnostics(self, reset: bool = True) -> dict:
         """{'dropped': rows failing the bounds check, 'unrouted': rows owned by no rank,
@@ -158,6 +155,13 @@ class ScatterSend(SendLauncher):
       rows are known at ``prepare`` (``tile_launch = False`` turns it off);
     - the persistent launch: ``grid`` CTAs of 1024 threads, one per SM. ``num_sms`` limits
       the send to that many SMs (like DeepEP's ``set_num_sms``); the row cache needs it.
+
+    Args:
+        n_experts: the experts of every send (``expert_offsets`` holds n_experts + 1), >= 1.
+        device: the Device to launch on (default: ``driver.device()``).
+        num_sms: the SM budget, as ``set_num_sms`` (default None: every SM).
+        threads: threads per CTA of the persistent launch, a multiple of 32 in 32..1024
+            (default 1024); a smaller CTA is also the tile launch's CTA.
     """
 
     THREADS = 1024
@@ -304,7 +308,20 @@ class ScatterSend(SendLauncher):
 class EpilogueSend(SendLauncher):
     """Launcher for ``p3_epilogue_send``: fp32 accumulator tiles -> bf16 in shared-memory
     stages -> peers, by ``send_warps`` dedicated send warps fed through the mailbox (0:
-    the epilogue warps send inline). Owns the sender state, diagnostics and P3SendCtx."""
+    the epilogue warps send inline). Owns the sender state, diagnostics and P3SendCtx.
+
+    Args:
+        n_experts: the experts of every send (``expert_offsets`` holds n_experts + 1), >= 1.
+        device: the Device to launch on (default: ``driver.device()``).
+        bm: tile rows, a positive multiple of num_stages (default 16).
+        bn: tile columns, a positive multiple of 8 (default 1024); the dynamic shared
+            memory is bm*bn*2 bytes and must fit the device's opt-in limit.
+        num_stages: shared-memory stages per tile (bm/num_stages rows each), 2..8 (default 2).
+        send_warps: dedicated send warps, >= 0 (default 1; 0: the epilogue warps send).
+        epilogue_warps: warps converting the accumulators, >= 1 (default 2); at most 8
+            warps in all.
+        grid: CTAs per launch (default: as many as fit, the occupancy times the SM count).
+    """
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, bm: int = 16, bn: int = 1024,
                  num_stages: int = 2, send_warps: int = 1, epilogue_warps: int = 2, grid: int | None = None):

@@ -1,9 +1,13 @@
 """ptx/p3_gemm_fp8_send.ptx and ptx/p3_quant_fp8.ptx on the CPU: the GEMM's PTX is the build of
 its source (tools/build_gemm_fp8.py), its header matches its declaration, the loaded (inlined)
 module assembles for sm_90a without a stack, spills or serialised wgmma, nvcc's -rdc form
-links with ptx/p3_send_rows.ptx through nvJitLink, and its measurement variant builds."""
+links with ptx/p3_send_rows.ptx through nvJitLink, and its measurement variant builds. The build
+and the assembly use the pinned nvcc (tools/build_gemm.py's ``toolkit()``, the test extra's wheel),
+as tests/cpu/test_gemm_build.py does for the bf16 GEMM, so CI regenerates and compares both."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -21,18 +25,34 @@ ROWS = ROOT / "ptx" / "p3_send_rows.ptx"
 TOOL = ROOT / "tools" / "build_gemm_fp8.py"
 
 
-def _nvcc_13_0() -> None:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH")
-    if "release 13.0" not in subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout:
-        pytest.skip("the shipped PTX is nvcc 13.0's (PTX ISA 9.0, loadable by driver 580); this nvcc differs")
+def _build_gemm():
+    """tools/build_gemm.py, whose ``toolkit()`` both build scripts use."""
+    spec = importlib.util.spec_from_file_location("build_gemm", ROOT / "tools" / "build_gemm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bg = _build_gemm()
+
+
+def _pinned_toolkit():
+    """The pinned nvcc the build uses; skips (with build_gemm's reason) only where there is none,
+    and never in CI, whose install of the test extra always brings it."""
+    try:
+        return bg.toolkit()
+    except bg.NvccNotFound as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI installs the test extra, which pins the nvcc: {e}")
+        pytest.skip(str(e))
 
 
 def test_shipped_ptx_is_the_build_of_its_source():
-    _nvcc_13_0()
-    r = subprocess.run([sys.executable, str(TOOL), "--check"], capture_output=True, text=True)
+    tk = _pinned_toolkit()
+    r = subprocess.run([sys.executable, str(TOOL), "--check"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "is up to date" in r.stdout, r.stdout
+    assert f"build_gemm_fp8: using {tk.origin}" in r.stderr, r.stderr   # the same nvcc, and it says so
 
 
 def test_header_target_and_lint():
@@ -47,15 +67,18 @@ def test_header_target_and_lint():
 
 
 def _assemble(text: str) -> str:
-    ptxas = shutil.which("ptxas")
+    try:
+        ptxas = bg.toolkit().ptxas
+    except bg.NvccNotFound:
+        ptxas = shutil.which("ptxas")
     if ptxas is None:
-        pytest.skip("no ptxas on PATH")
+        pytest.skip("no ptxas: neither the pinned nvcc wheel's nor one on PATH")
     whole = ptxdoc.module_text(text, [(ROWS.name, ROWS.read_text())])
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "m.ptx"
         src.write_text(whole)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "m.cubin")],
-                           capture_output=True, text=True)
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "m.cubin")],
+                           capture_output=True, text=True, timeout=300)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log
     return log
@@ -71,10 +94,10 @@ def test_inlined_module_has_no_stack_spills_or_serialised_wgmma():
 
 
 def test_no_promote_variant_builds(tmp_path):
-    _nvcc_13_0()
+    _pinned_toolkit()
     out = tmp_path / "v.ptx"
     r = subprocess.run([sys.executable, str(TOOL), "--variant", "no_promote", "-o", str(out)], capture_output=True,
-                       text=True)
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     text = out.read_text()
     assert text != PTX.read_text() and not ptxlint.lint(text, PTX.name)

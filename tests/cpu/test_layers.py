@@ -1,6 +1,8 @@
 """The package's layers (README, "What is here"): abi -> cuda -> ops -> torch. Each
 imports only the layers before it, and the runtime never imports the oracle or the
-commands. Checked on the source, so a new import that crosses a layer fails here."""
+commands; p3send/__init__.py imports only abi (the rest of the runtime by name, on first
+use), __main__.py only cli; only cuda/driver.py imports ``cuda.bindings``. Checked on the
+source, so a new import that crosses a layer fails here."""
 from __future__ import annotations
 
 import ast
@@ -14,8 +16,8 @@ ORDER = ["abi", "cuda", "ops", "torch", "moe"]   # a layer may import the ones b
 NOT_RUNTIME = {"oracle", "cli", "conform", "bench", "tracing"}
 
 
-def layer_of(path: Path) -> str:
-    rel = path.relative_to(PKG)
+def layer_of(path: Path, root: Path = PKG) -> str:
+    rel = path.relative_to(root)
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
@@ -241,3 +243,164 @@ def test_the_private_name_checker_sees_a_crossing(tmp_path):
     found = private_crossings(probe, tmp_path)
     assert [f.split(": ", 1)[1] for f in found] == ["from .send import _send_args", "driver._cu",
                                                    "self._inner._enqueue_send()"[:-2]]
+
+
+# ---------------------------------------------------------------- the package's own two modules
+def stdlib_and_rooms(path: Path, root: Path = PKG) -> tuple[set[str], set[str]]:
+    """(the non-stdlib top-level modules ``path`` imports absolutely, the p3send rooms it imports),
+    from import statements anywhere in its body."""
+    third = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            third |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            third.add(node.module.split(".")[0])
+    return third - set(sys.stdlib_module_names) - {"__future__", "p3send"}, p3send_imports(path, root)
+
+
+def lazy_modules(path: Path) -> dict[str, object]:
+    """The ``_LAZY`` dict of ``path``'s module body, name -> the module string it is imported from
+    on first use (a value that is not a string constant is kept as its source text)."""
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in targets):
+            assert isinstance(node.value, ast.Dict), f"{path.name}: _LAZY is not a dict display"
+            return {ast.unparse(k) if not isinstance(k, ast.Constant) else k.value:
+                    v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else ast.unparse(v)
+                    for k, v in zip(node.value.keys, node.value.values)}
+    return {}
+
+
+def lazy_problems(path: Path, root: Path = PKG) -> list[str]:
+    """What is wrong with ``path``'s ``_LAZY`` targets: each must be a string naming an existing
+    module of a runtime layer (``ORDER``), never the oracle, the commands or the other rooms."""
+    out = []
+    for name, target in lazy_modules(path).items():
+        parts = target.split(".") if isinstance(target, str) else []
+        if len(parts) < 2 or parts[0] != "p3send":
+            out.append(f"{name}: {target!r} is not a p3send module name")
+            continue
+        if parts[1] not in ORDER:
+            out.append(f"{name}: {target} is not in a runtime layer {ORDER}")
+        if not (root.joinpath(*parts[1:]).with_suffix(".py").is_file()
+                or (root.joinpath(*parts[1:]) / "__init__.py").is_file()):
+            out.append(f"{name}: {target} is no module of the package")
+    return out
+
+
+def test_init_imports_only_the_abi_at_import_time():
+    # the rest of the runtime comes through _LAZY on first use: import p3send touches no CUDA
+    third, rooms = stdlib_and_rooms(PKG / "__init__.py")
+    assert not third, f"p3send/__init__.py imports {sorted(third)}"
+    assert rooms <= {"abi"}, f"p3send/__init__.py imports {sorted(rooms)} at import time; only abi may be"
+
+
+def test_init_lazy_names_come_only_from_runtime_modules():
+    lazy = lazy_modules(PKG / "__init__.py")
+    assert len(lazy) > 20, "p3send/__init__.py's _LAZY was not found"
+    assert not lazy_problems(PKG / "__init__.py")
+
+
+def test_main_imports_only_the_commands():
+    third, rooms = stdlib_and_rooms(PKG / "__main__.py")
+    assert not third and rooms == {"cli"}, (third, rooms)
+
+
+def test_the_init_checkers_see_a_planted_violation(tmp_path):
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "send.py").write_text("")
+    probe = tmp_path / "__init__.py"
+    probe.write_text("import importlib\nimport numpy\nfrom .abi import config\nfrom .oracle import cases\n\n"
+                     "def f():\n    from .cli import app\n\n"
+                     "MOD = 'p3send.ops.send'\n"
+                     "_LAZY = {'ScatterSend': 'p3send.ops.send', 'Case': 'p3send.oracle.cases',\n"
+                     "         'Gone': 'p3send.ops.nosuch', 'Other': 'numpy', 'Var': MOD}\n")
+    assert stdlib_and_rooms(probe, tmp_path) == ({"numpy"}, {"abi", "oracle", "cli"})
+    assert lazy_problems(probe, tmp_path) == [
+        f"Case: p3send.oracle.cases is not in a runtime layer {ORDER}",
+        "Case: p3send.oracle.cases is no module of the package",
+        "Gone: p3send.ops.nosuch is no module of the package",
+        "Other: 'numpy' is not a p3send module name",
+        "Var: 'MOD' is not a p3send module name"]
+
+
+def unchecked_modules(root: Path = PKG) -> list[str]:
+    """Modules in no layer or room these tests check (a new top-level module must join one)."""
+    known = set(ORDER) | set(BESIDE) | {"__init__", "__main__"}
+    return [str(p.relative_to(root)) for p in sorted(root.rglob("*.py")) if layer_of(p, root) not in known]
+
+
+def test_every_module_is_in_a_checked_layer_or_room():
+    assert not unchecked_modules()
+
+
+def test_the_unchecked_module_finder_sees_one(tmp_path):
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "send.py").write_text("")
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "helpers.py").write_text("")
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "x.py").write_text("")
+    assert unchecked_modules(tmp_path) == ["extra/x.py", "helpers.py"]
+
+
+# ---------------------------------------------------------------- the one seam to cuda-python
+#: The modules that may import NVIDIA's ``cuda`` namespace package, and what of it. driver.py is
+#: the one module that calls ``cuda.bindings`` (driver, nvrtc, nvjitlink), the seam CPU tests swap.
+#: gate.py may import ``cuda.pathfinder`` only: it finds the file libcudadevrt.a on disk (to link
+#: the gate kernel through driver.py) and calls no CUDA API; kept to that module and that package
+#: so any other use of cuda-python shows here.
+CUDA_PYTHON = {"cuda/driver.py": ("cuda.bindings",), "cuda/gate.py": ("cuda.pathfinder",)}
+
+
+def cuda_python_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of NVIDIA's ``cuda`` package in ``path``, anywhere in its
+    body: ``import cuda.x``, ``from cuda.x import y``, ``from cuda import x`` and a constant name
+    given to ``importlib.import_module`` / ``__import__`` (``from ..cuda import`` is p3send's)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [f"{node.module}.{a.name}" if node.module == "cuda" else node.module for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if fname in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        found += [(node.lineno, n) for n in names if n == "cuda" or n.startswith("cuda.")]
+    return found
+
+
+def cuda_python_crossings(root: Path = PKG) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        allowed = CUDA_PYTHON.get(rel, ())
+        out += [f"{rel}:{line}: {name}" for line, name in cuda_python_imports(path)
+                if not any(name == a or name.startswith(a + ".") for a in allowed)]
+    return out
+
+
+def test_only_driver_imports_cuda_bindings():
+    assert not cuda_python_crossings()
+    assert [n for _, n in cuda_python_imports(PKG / "cuda" / "driver.py")], "driver.py's imports were not found"
+
+
+def test_the_cuda_python_checker_sees_a_crossing(tmp_path):
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "cuda").mkdir()
+    (tmp_path / "ops" / "probe.py").write_text(
+        "import importlib\nfrom ..cuda import driver\nfrom p3send.cuda import loader\n\n"
+        "def f():\n    from cuda.bindings import driver as cu\n    import cuda.bindings.nvrtc\n"
+        "    from cuda import pathfinder\n    return importlib.import_module('cuda.bindings.nvjitlink')\n")
+    (tmp_path / "cuda" / "driver.py").write_text("def f():\n    from cuda.bindings import driver\n"
+                                                 "    from cuda.pathfinder import find_static_lib\n")
+    (tmp_path / "cuda" / "gate.py").write_text("from cuda.pathfinder import find_static_lib\n"
+                                               "x = __import__('cuda.bindings.driver')\n")
+    assert cuda_python_crossings(tmp_path) == [
+        "cuda/driver.py:3: cuda.pathfinder", "cuda/gate.py:2: cuda.bindings.driver",
+        "ops/probe.py:6: cuda.bindings", "ops/probe.py:7: cuda.bindings.nvrtc",
+        "ops/probe.py:8: cuda.pathfinder", "ops/probe.py:9: cuda.bindings.nvjitlink"]

@@ -19,7 +19,7 @@ from p3send.abi.layout import SENTINEL, encode_range_table
 from p3send.cuda import driver
 from p3send.oracle.reference import bf16_to_f32
 
-from .conftest import assert_send_exact, run_send
+from .conftest import assert_send_exact, first_diff, run_send
 
 
 def hopper_or_skip(dev, launcher, entry: str):
@@ -132,21 +132,38 @@ def assert_fused_equals_gated_then_scatter_send(dev, prob, c: np.ndarray, bm: in
         assert np.array_equal(a, b), f"{prob.case}: peer {p}: counts differ"
 
 
-def assert_linked_route_is_byte_exact(dev, prob, fused_bm: int) -> None:
+def assert_linked_route_is_byte_exact(dev, prob, fused_bm: int, check_c) -> None:
     """docs/EMBEDDING.md (c): the PTX linked with p3_send_rows.ptx by cuLink, not inlined, gives
-    the inlined module's gated C (bm 128) and an exact fused send (``fused_bm``)."""
+    the inlined module's gated C (bm 128), which passes ``check_c(prob, c)`` (the reference),
+    and an exact fused send (``fused_bm``) of that C."""
     c = gated(dev, prob, 128)
+    check_c(prob, c)
     assert np.array_equal(gated(dev, prob, 128, linked=True), c), "linked gated C differs from inlined"
     prob.case.c = c
     assert_send_exact(run_send(dev, prob.case,
                                sender_factory=lambda cs: FusedSender(dev, prob, fused_bm, linked=True)))
 
 
-def assert_send_off_writes_c_only(dev, prob) -> None:
-    """p3_control < 0: C is written and no receive byte or count changes (MAX's gate)."""
-    prob.case.c = gated(dev, prob, 128)
-    r = run_send(dev, prob.case, p3_control=-1, sender_factory=lambda cs: FusedSender(dev, prob, 128))
-    for got in r.recv:
-        assert (got == SENTINEL).all()
-    for got in r.counts:
-        assert (got == np.uint64(0xFFFF_FFFF_FFFF_FFFF)).all()
+GUARD_ROWS = 4   # rows of C past its end, sentinel-filled: a write past the last row shows
+
+
+def assert_send_off_writes_c_only(dev, prob, check_c) -> None:
+    """p3_control < 0 with the send configured (MAX's gate): C, pre-filled with the sentinel
+    and followed by GUARD_ROWS sentinel rows, is written as the reference says (``check_c(prob,
+    c)``: within its bound, rows outside every expert and the row padding untouched), the guard
+    rows are untouched, and no receive byte (guards included) or count changes."""
+    rows, stride = prob.rows, prob.stride
+    c = driver.DeviceBuffer((rows + GUARD_ROWS) * stride, fill=SENTINEL)
+    # the host C only sizes the harness's oracle, which sends nothing with p3_control < 0
+    prob.case.c = np.full((rows, stride), SENTINEL, np.uint8)
+    try:
+        r = run_send(dev, prob.case, p3_control=-1, c_obj=c, sender_factory=lambda cs: FusedSender(dev, prob, 128))
+        got = c.download().reshape(rows + GUARD_ROWS, stride)
+    finally:
+        c.free()
+    assert (got[rows:] == SENTINEL).all(), f"{prob.case}: the send-off launch wrote past the last row of C"
+    check_c(prob, got[:rows])
+    for p, recv in enumerate(r.recv):
+        assert (recv == SENTINEL).all(), f"{prob.case}: peer {p} receive buffer: {first_diff(recv, r.want_recv[p])}"
+    for p, counts in enumerate(r.counts):
+        assert (counts == np.uint64(0xFFFF_FFFF_FFFF_FFFF)).all(), f"{prob.case}: peer {p} counts: {counts.tolist()}"

@@ -1,7 +1,8 @@
 """The FP8 down-projection's torch custom ops on the GPU: ``torch.ops.p3send.quant_fp8`` bit for
 bit the numpy reference; ``gemm_fp8`` within the derived bound and byte-identical to the
 launcher's C; ``gemm_fp8_send`` (``TorchGemmFp8Send``) through the send harness, byte-identical
-to the oracle of that C; the fake implementations' shapes; arguments refused naming them."""
+to the oracle of the launcher's C, itself checked against the float64 reference; the fake
+implementations' shapes; arguments refused naming them."""
 from __future__ import annotations
 
 import numpy as np
@@ -102,7 +103,9 @@ class TorchSender:
 def test_gemm_fp8_send_op_matches_the_oracle(ops, dev):
     seed = fresh_seed("torch gemm_fp8_send")
     prob = Fp8Problem("skewed", seed, n_cols=128, k_dim=256, align=1)
-    prob.case.c = _gated(dev, prob, 64)
+    c = _gated(dev, prob, 64)     # the launcher's C at the op's tile height: the oracle sends it
+    _check_c(prob, c)             # checked against the float64 reference first
+    prob.case.c = c
     assert_send_exact(run_send(dev, prob.case, sender_factory=lambda case: TorchSender(ops, prob)))
 
 
