@@ -1,0 +1,66 @@
+"""The combine's wire formats: how one (token, k) row is laid out in a receive slot.
+
+``msg_bytes`` (a field of MAX's struct) sizes the slot but cannot name the format: 7,392 B
+is an FP8 row of 7,168 columns and also a bf16 row of 3,696. So every launcher and
+``validate`` take the format and ``hidden`` explicitly, and refuse a ``msg_bytes`` that does
+not match.
+
+- ``WIRE_BF16`` (0): ``hidden`` bf16 values, ``msg_bytes = 2 * hidden``.
+- ``WIRE_FP8`` (1): the ``hidden`` e4m3 codes first, then one float32 scale per 128 columns
+  (little-endian; scale ``j`` for columns ``128j .. 128j+127``), so
+  ``msg_bytes = hidden + 4 * hidden / 128 = 33 * hidden / 32``. ``msg_bytes`` must stay a
+  multiple of 16 (every row store is a 16-byte vector), so ``hidden`` must be a multiple of
+  512 (33 is odd); a model whose ``hidden`` is not pads its rows to the next multiple of 512
+  (DeepSeek-V3's 7,168 = 14 x 512 needs none). The values follow the FP8 GEMM's activation
+  quantiser (``p3send.oracle.fp8.quantize``: amax clamped at 1e-4, ``scale = amax / 448``).
+
+The kernels learn the format from a flag bit, ``FLAG_WIRE_FP8`` (``P3_FLAG_WIRE_FP8`` in
+``ptx/p3send.h``), in the ``flags`` word they already take (``P3SendCtx.flags`` and
+``p3_scatter_send``'s ``flags`` parameter): no parameter is appended, so a C launcher that
+does not set it keeps the bf16 wire.
+"""
+from __future__ import annotations
+
+from .errors import ConfigError
+
+WIRE_BF16 = 0
+WIRE_FP8 = 1
+WIRE_FORMATS = {"bf16": WIRE_BF16, "fp8": WIRE_FP8}
+FLAG_WIRE_FP8 = 16
+FP8_BLOCK = 128
+FP8_HIDDEN_MULTIPLE = 512
+
+
+def wire_format(value, *, what: str = "argument") -> int:
+    """The format code of ``value``: ``"bf16"``/``"fp8"`` or ``WIRE_BF16``/``WIRE_FP8``."""
+    if isinstance(value, str) and value.lower() in WIRE_FORMATS:
+        return WIRE_FORMATS[value.lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in (WIRE_BF16, WIRE_FP8):
+        return value
+    raise ConfigError([f"wire: expected 'bf16' or 'fp8', got {value!r}"], what)
+
+
+def wire_msg_bytes(hidden, wire="bf16", *, what: str = "argument") -> int:
+    """The slot size of a row of ``hidden`` columns in format ``wire``; refuses a ``hidden``
+    the format cannot carry (bf16: a positive multiple of 8; fp8: of 512)."""
+    fmt = wire_format(wire, what=what)
+    if not isinstance(hidden, int) or isinstance(hidden, bool):
+        raise ConfigError([f"hidden: expected an integer, got {type(hidden).__name__}"], what)
+    mult = 8 if fmt == WIRE_BF16 else FP8_HIDDEN_MULTIPLE
+    if hidden <= 0 or hidden % mult:
+        raise ConfigError([f"hidden: expected a positive multiple of {mult} for the "
+                           f"{'bf16' if fmt == WIRE_BF16 else 'fp8'} wire, got {hidden}"], what)
+    return 2 * hidden if fmt == WIRE_BF16 else hidden + 4 * (hidden // FP8_BLOCK)
+
+
+def wire_problems(msg_bytes: int, hidden, wire="bf16") -> list[str]:
+    """The problems (empty: none) of a slot size ``msg_bytes`` for ``hidden`` columns in
+    format ``wire``, each naming the argument (for ``validate`` and the launchers)."""
+    try:
+        want = wire_msg_bytes(hidden, wire)
+    except ConfigError as exc:
+        return list(exc.problems)
+    if int(msg_bytes) != want:
+        name = "bf16" if wire_format(wire) == WIRE_BF16 else "fp8"
+        return [f"msg_bytes: expected {want} for {hidden} columns on the {name} wire, got {int(msg_bytes)}"]
+    return []
