@@ -912,6 +912,52 @@ def nvjitlink_link(inputs, options) -> tuple[str, str]:
     return info, error
 
 
+def nvjitlink_image(inputs, options, libraries=()) -> tuple[bytes, str, str]:
+    """Link PTX and device-code libraries into one cubin with nvJitLink (what the optional
+    NVSHMEM transport loads: a sending module, the shim and ``libnvshmem_device.a``).
+
+    Args:
+        inputs: (name, PTX text) pairs; each name labels its input in the logs.
+        options: nvJitLink options, e.g. ``["-arch=sm_90"]``.
+        libraries: paths of host archives or objects holding relocatable device code (``.a``),
+            linked after the PTX.
+
+    Returns:
+        (cubin, info log, error): ``cubin`` is b"" and ``error`` the error log (or the
+        nvJitLink status when that log is empty) when the link fails.
+
+    Raises:
+        NoDeviceError: nvJitLink is not installed; the message says how to install it.
+    """
+    nvjitlink = _nvjitlink()
+    opts = [str(o) for o in options]
+    try:
+        handle = nvjitlink.create(len(opts), opts)
+    except nvjitlink.nvJitLinkError as e:
+        return b"", "", f"nvJitLink refuses {' '.join(opts)}: {e}"
+    image, error = b"", ""
+    try:
+        try:
+            for name, text in inputs:
+                data = text.encode() if isinstance(text, str) else bytes(text)
+                nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
+            for path in libraries:
+                nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, str(path))
+            nvjitlink.complete(handle)
+            buf = bytearray(nvjitlink.get_linked_cubin_size(handle))
+            nvjitlink.get_linked_cubin(handle, buf)
+            image = bytes(buf)
+        except nvjitlink.nvJitLinkError as e:
+            error = str(e)
+        # The logs die with the handle: read them before destroy.
+        info = _nvjitlink_log(nvjitlink, handle, error=False)
+        if error:
+            error = _nvjitlink_log(nvjitlink, handle, error=True) or error
+    finally:
+        nvjitlink.destroy(handle)
+    return image, info, error
+
+
 # ---------------------------------------------------------------- NVRTC (CUDA C++ compiled at run time)
 
 @functools.cache

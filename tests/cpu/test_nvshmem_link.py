@@ -1,0 +1,235 @@
+"""The optional NVSHMEM transport on CPU: the shim's shipped PTX is a fresh build of its source
+against the pinned wheel, a sending module links with it and libnvshmem_device.a for sm_90 and
+sm_100 (nvJitLink, no GPU), a missing or other-version wheel is a named P3SendError before any
+link, and the NVLink-domain rule fills recv_buf_ptrs as MAX does.
+
+The links need the nvidia-nvshmem-cu13 wheel at the pinned version (the test extra pins it) and
+nvJitLink; without them those tests skip with the reason.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from p3send.abi.errors import ConfigError, P3SendError
+from p3send.cuda import nvshmem_link, ptxdoc, ptxlint
+from p3send.cuda.nvshmem_link import (
+    NVSHMEM_VERSION,
+    NVSHMEM_WHEEL,
+    NvshmemLinkError,
+    NvshmemUnavailable,
+    NvshmemVersionError,
+)
+from p3send.ops import nvshmem
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIM = ROOT / "ptx" / nvshmem_link.SHIM
+SENDER = ROOT / "tests" / "gpu" / "data" / "p3_nvshmem_put_rows.ptx"
+
+
+def _why_no_link() -> str | None:
+    try:
+        nvshmem_link.wheel()
+    except P3SendError as e:
+        return str(e)
+    try:
+        from p3send.cuda import driver
+        driver.nvjitlink_version()
+    except P3SendError as e:
+        return str(e)
+    return None
+
+
+WHY = _why_no_link()
+needs_wheel = pytest.mark.skipif(WHY is not None, reason=f"no NVSHMEM link here: {WHY}")
+
+
+# ---------------------------------------------------------------- the link, per arch
+
+@needs_wheel
+@pytest.mark.parametrize("arch", nvshmem_link.ARCHS)
+def test_a_sending_module_links_with_the_shim_and_the_device_library(arch):
+    image, _ = nvshmem_link.link_cubin([(SENDER.name, SENDER.read_text())], arch)
+    assert image[:4] == b"\x7fELF"
+    # the entry, the shim's put, and the device state nvshmemx_cumodule_init fills
+    for symbol in (b"p3_nvshmem_put_rows", b"p3_nvshmem_put_signal_warp", b"nvshmemi_device_state_d"):
+        assert symbol in image, symbol
+
+
+SHIPPED = [(e, a) for e in nvshmem_link.SENDERS
+           for a in (["sm_90a"] if ptxdoc.ptx_target((ROOT / "ptx" / f"{e}.ptx").read_text()).endswith("a")
+                     else nvshmem_link.ARCHS)]
+
+
+@needs_wheel
+@pytest.mark.parametrize("entry, arch", SHIPPED, ids=[f"{e}-{a}" for e, a in SHIPPED])
+def test_every_shipped_sender_links_with_the_shim_and_the_device_library(entry, arch):
+    # none calls the shim yet: this is the link the put path will need, with no symbol clash
+    name, text = nvshmem_link.shipped_module(entry)
+    assert ".visible .func" not in text and f".visible .entry {entry}(" in text
+    image, _ = nvshmem_link.link_cubin([(name, text)], arch)
+    assert image[:4] == b"\x7fELF" and entry.encode() in image and b"nvshmemi_device_state_d" in image
+
+
+@needs_wheel
+def test_a_refused_link_names_its_inputs_and_carries_the_log():
+    bad = SENDER.read_text().replace("call.uni        p3_nvshmem_put_warp,", "call.uni        p3_nvshmem_put_wrap,")
+    bad = bad.replace(".extern .func p3_nvshmem_put_warp(", ".extern .func p3_nvshmem_put_wrap(")
+    assert "p3_nvshmem_put_wrap" in bad
+    with pytest.raises(NvshmemLinkError, match=r"could not link p3_nvshmem_put_rows\.ptx, nvshmem/"
+                       r"p3_nvshmem_shim\.ptx with libnvshmem_device\.a .* for sm_90") as e:
+        nvshmem_link.link_cubin([(SENDER.name, bad)], "sm_90")
+    assert "p3_nvshmem_put_wrap" in e.value.log
+
+
+# ---------------------------------------------------------------- the shim's source and text
+
+@pytest.mark.skipif(WHY is not None, reason=f"no NVSHMEM wheel here: {WHY}")
+def test_the_shipped_shim_is_a_fresh_build_of_its_source():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import build_gemm
+        import build_nvshmem_shim
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    try:
+        tk = build_gemm.toolkit()
+    except build_gemm.BuildError as e:
+        pytest.skip(f"no pinned nvcc: {e}")
+    assert build_nvshmem_shim.build(tk) == SHIM.read_text(), "stale: run python tools/build_nvshmem_shim.py"
+
+
+def test_the_shim_builder_refuses_a_referenced_path_dependent_global():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import build_nvshmem_shim
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    decl = ".global .align 1 .b8 __nv_static_40__abc_x[1];\n"
+    assert build_nvshmem_shim.drop_unused_statics("a\n" + decl + "b\n") == "a\nb\n"
+    with pytest.raises(build_nvshmem_shim.BuildError, match="__nv_static_40__abc_x is referenced"):
+        build_nvshmem_shim.drop_unused_statics(decl + "mov.u64 %rd1, __nv_static_40__abc_x;\n")
+
+
+def test_the_shim_header_documents_every_function_it_defines():
+    text = SHIM.read_text()
+    defined = set(re.findall(r"^\.visible \.func\s+(?:\([^)]*\)\s*)?(p3_nvshmem_\w+)\(", text, re.M))
+    assert defined == {"p3_nvshmem_put_signal_warp", "p3_nvshmem_put_warp", "p3_nvshmem_signal",
+                       "p3_nvshmem_fence", "p3_nvshmem_quiet", "p3_nvshmem_ptr", "p3_nvshmem_my_pe",
+                       "p3_nvshmem_n_pes"}
+    head = text[:text.index(".version")]
+    for f in defined:
+        assert f in head, f
+    assert "GENERATED by tools/build_nvshmem_shim.py" in head
+    assert "__nv_static_" not in text                      # no path-dependent names shipped
+    assert text.splitlines()[0] == "//" and ".version 9.0" in text and ".target sm_90" in text
+
+
+def test_the_test_sender_header_matches_its_code():
+    text = SENDER.read_text()
+    assert ptxlint.file_problems(text, SENDER.name) + ptxlint.lint(text, SENDER.name) == []
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
+@pytest.mark.parametrize("arch", nvshmem_link.ARCHS)
+def test_the_test_sender_assembles_relocatably(arch):
+    # ptxas -c: its .extern calls are resolved by the shim at link time
+    assert ptxlint.assemble_ptxas(SENDER.read_text(), SENDER.name, arch).problems() == []
+
+
+# ---------------------------------------------------------------- the wheel: missing, other version
+
+class _FakeDist:
+    def __init__(self, version, root):
+        self.version, self._root = version, root
+
+    def locate_file(self, path):
+        return self._root / path
+
+
+def test_a_missing_wheel_is_a_named_error_that_says_what_to_install(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(NvshmemUnavailable, match=rf"needs the {NVSHMEM_WHEEL} wheel, version "
+                       rf"{re.escape(NVSHMEM_VERSION)}, which is not installed: pip install 'p3send\[nvshmem\]'"):
+        nvshmem_link.link_cubin([(SENDER.name, SENDER.read_text())], "sm_90")
+
+
+def test_another_version_is_refused_before_any_link(monkeypatch, tmp_path):
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: _FakeDist("3.8.0", tmp_path))
+    with pytest.raises(NvshmemVersionError, match=rf"{NVSHMEM_WHEEL}: expected version "
+                       rf"{re.escape(NVSHMEM_VERSION)} .* got 3\.8\.0") as e:
+        nvshmem_link.link_cubin([(SENDER.name, SENDER.read_text())], "sm_90")
+    assert (e.value.found, e.value.expected) == ("3.8.0", NVSHMEM_VERSION)
+    assert isinstance(e.value, P3SendError)
+
+
+def test_a_broken_install_names_the_missing_file(monkeypatch, tmp_path):
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: _FakeDist(NVSHMEM_VERSION, tmp_path))
+    with pytest.raises(NvshmemUnavailable, match=r"its headers .*nvshmem\.h is missing"):
+        nvshmem_link.wheel()
+
+
+def test_the_extras_pin_the_versions_the_code_checks():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"{NVSHMEM_WHEEL}=={NVSHMEM_VERSION}" in extras["nvshmem"]
+    assert f"{nvshmem.NVSHMEM4PY}=={nvshmem.NVSHMEM4PY_VERSION}" in extras["nvshmem"]
+    assert f"{NVSHMEM_WHEEL}=={NVSHMEM_VERSION}" in extras["test"]
+
+
+def test_the_bindings_check_the_loaded_host_library():
+    try:
+        b = nvshmem.bindings()
+    except NvshmemUnavailable as e:
+        pytest.skip(f"no NVSHMEM host bindings here: {e}")
+    assert b is nvshmem.bindings()                          # loaded once
+
+
+# ---------------------------------------------------------------- the NVLink domain (MAX's rule)
+
+class _FakeBindings:
+    """nvshmem_ptr as a world of ``n`` PEs where ``reach(me, pe)`` says who is reachable by stores."""
+
+    def __init__(self, me, reach):
+        self.me, self.reach = me, reach
+
+    def ptr(self, addr, pe):
+        return addr + 0x1000_0000 * (pe + 1) if self.reach(self.me, pe) else 0
+
+
+def _world(rank, n_ranks, reach=lambda me, pe: True):
+    w = object.__new__(nvshmem.NvshmemWorld)
+    w.rank, w.n_ranks, w.b = rank, n_ranks, _FakeBindings(rank, reach)
+    return w
+
+
+def test_same_domain_is_the_same_node():
+    assert [nvshmem.same_domain(d, 5, 4) for d in range(8)] == [False] * 4 + [True] * 4
+    assert [nvshmem.same_domain(d, 0, 8) for d in range(16)] == [True] * 8 + [False] * 8
+
+
+def test_recv_buf_ptrs_hold_the_domain_peers_at_dst_mod_p2p():
+    base = 0x7F00_0000_0000
+    got = _world(5, 8).recv_buf_ptrs(base, 4)      # ranks 4..7 form rank 5's domain
+    assert got == [base + 0x1000_0000 * (d + 1) for d in (4, 5, 6, 7)] + [0] * 4
+    assert _world(1, 2).recv_buf_ptrs(base, 1) == [base + 0x1000_0000 * 2] + [0] * 7
+
+
+def test_a_domain_peer_that_stores_cannot_reach_is_named():
+    w = _world(1, 4, reach=lambda me, pe: pe != 2)
+    with pytest.raises(nvshmem.NvshmemError, match=r"nvshmem_ptr: rank 2 is in rank 1's NVLink domain"):
+        w.recv_buf_ptrs(0x7F00_0000_0000, 4)
+    assert w.recv_buf_ptrs(0x7F00_0000_0000, 1)[0]   # alone in its domain, rank 1 needs only itself
+
+
+@pytest.mark.parametrize("p2p", [0, 3, 9])
+def test_a_p2p_world_size_that_does_not_split_the_world_is_refused(p2p):
+    with pytest.raises(ConfigError, match=rf"p2p_world_size: expected 1\.\.8 dividing n_ranks = 8, got {p2p}"):
+        _world(0, 8).recv_buf_ptrs(0x7F00_0000_0000, p2p)
