@@ -70,6 +70,17 @@ def _cuda_module(ordinal: int, arch: str, threads: int, vpt: int, hint: int = 0)
     return driver.load_image(cubin), f"NVRTC {major}.{minor}"
 
 
+def cuda_function(dev: driver.Device, name: str, *, threads: int = 256, vpt: int = 1):
+    """Kernel ``name`` of kernels/baselines.cu, compiled for ``dev`` with these -D values
+    (cached) and loaded: for other bench sections' launches (``Launch``).
+
+    Raises:
+        BaselineUnavailable: NVRTC is missing or the compile failed.
+    """
+    mod, _ = _cuda_module(dev.ordinal, f"sm_{dev.cc[0]}{dev.cc[1]}", threads, vpt)
+    return driver.get_function(mod, name)
+
+
 # ---------------------------------------------------------------- launches
 
 class Launch:

@@ -5,9 +5,14 @@ and fp8 payloads, timed in turns with
 - the copy floor: one kernel reading every token's row once and storing each of its
   copies at the very row the dispatch puts it (destinations precomputed on the host from
   the reference plan; no checks, no src_info, no signal);
-- the ceiling: the floor after the count exchange and the least signal of the protocol
-  (the same dispatch kernels at 0 tokens: the exchange of every (rank, expert) count, the
-  layout, one flag per pair and its wait);
+- the ceiling: the floor between the count exchange and the least signal of the protocol
+  (``Ceiling``: one kernel in which every rank stores its (given) count of every expert into
+  every rank's exchange buffer and waits for all of them, the floor, then one kernel in which
+  every rank stores one flag into every rank and waits for its own; three launches on one
+  stream);
+- diagnostics: the dispatch with its single-CTA token pass (where the tally is the default),
+  the dispatch at 0 tokens (its launches, exchange and signal with nothing to move), and a
+  per-kernel breakdown of a step (events on every rank's stream around each kernel);
 - what a torch user writes instead: a stable sort of the copies by expert, then
   ``index_select`` of the rows into the same grouped layout (and the counts by bincount),
   every rank's tokens at once.
@@ -21,20 +26,25 @@ import statistics
 
 import numpy as np
 
+import ctypes
+
 from ..cuda import driver, loader
 from ..ops.dispatch import ArrayView, Dispatch
 from ..oracle import dispatch as dref
 from ..oracle.cases import random_topk
+from .baselines import Launch, cuda_function
 from .data import random_bytes
 from .timing import Timer
 
 # The copy floor: thread u copies vector u mod nv of row u / nv to each of its K non-zero
-# destinations dst[row*K + k] (+ 16 * vector). One vector per thread, one tile per CTA.
+# destinations dst[row*K + k] (+ 16 * vector). One vector per thread, one tile per CTA. With a
+# counter (a diagnostic, not the floor), the send's per-CTA signal after the stores: bar.sync,
+# thread 0 fences and counts the CTA, the last CTA fences again and re-arms the counter.
 FANOUT_PTX = """.version 8.0
 .target sm_90
 .address_size 64
 .visible .entry p3_bench_fanout(.param .u64 src, .param .u64 dst, .param .u32 rows, .param .u32 nv,
-                                .param .u32 k)
+                                .param .u32 k, .param .u64 counter)
 {
     .reg .pred  %p<3>;
     .reg .b32   %r<12>;
@@ -47,7 +57,7 @@ FANOUT_PTX = """.version 8.0
     ld.param.u32        %r6, [nv];
     mul.lo.u32          %r7, %r5, %r6;
     setp.ge.u32         %p0, %r4, %r7;
-    @%p0 bra            DONE;
+    @%p0 bra            STORED;
     div.u32             %r8, %r4, %r6;
     mul.lo.u32          %r9, %r8, %r6;
     sub.u32             %r9, %r4, %r9;
@@ -63,7 +73,7 @@ FANOUT_PTX = """.version 8.0
     mov.u32             %r5, 0;
 K:
     setp.ge.u32         %p1, %r5, %r10;
-    @%p1 bra            DONE;
+    @%p1 bra            STORED;
     ld.global.nc.u64    %rd5, [%rd3];
     setp.ne.u64         %p2, %rd5, 0;
     add.s64             %rd5, %rd5, %rd4;
@@ -71,6 +81,24 @@ K:
     add.s64             %rd3, %rd3, 8;
     add.u32             %r5, %r5, 1;
     bra                 K;
+STORED:
+    ld.param.u64        %rd6, [counter];
+    setp.eq.u64         %p0, %rd6, 0;
+    @%p0 bra            DONE;
+    bar.sync            0;
+    mov.u32             %r3, %tid.x;
+    setp.ne.u32         %p0, %r3, 0;
+    @%p0 bra            DONE;
+    fence.acq_rel.gpu;
+    atom.relaxed.gpu.global.add.u64 %rd7, [%rd6], 1;
+    mov.u32             %r3, %nctaid.x;
+    sub.u32             %r3, %r3, 1;
+    cvt.u64.u32         %rd8, %r3;
+    setp.ne.u64         %p0, %rd7, %rd8;
+    @%p0 bra            DONE;
+    fence.acq_rel.gpu;
+    mov.b64             %rd9, 0;
+    st.relaxed.gpu.global.u64 [%rd6], %rd9;
 DONE:
     ret;
 }
@@ -85,14 +113,103 @@ class Fanout:
         self.k = loader.load(FANOUT_PTX, device=dev, name="bench fanout")["p3_bench_fanout"]
         rows, K = dst.shape
         self.dst = driver.DeviceBuffer.from_array(np.ascontiguousarray(dst, np.uint64))
+        self.counter = driver.DeviceBuffer(8, fill=0)
         self.grid = max(1, -(-rows * nv // THREADS))
-        self.blk = self.k.params_block(src=src, dst=self.dst, rows=rows, nv=nv, k=K)
+        self.blk = self.k.params_block(src=src, dst=self.dst, rows=rows, nv=nv, k=K, counter=0)
+        self.blk_signal = self.k.params_block(src=src, dst=self.dst, rows=rows, nv=nv, k=K, counter=self.counter)
 
-    def launch(self, stream) -> None:
-        self.blk.launch((self.grid,), (THREADS,), stream)
+    def launch(self, stream, signal: bool = False) -> None:
+        (self.blk_signal if signal else self.blk).launch((self.grid,), (THREADS,), stream)
 
     def close(self) -> None:
         self.dst.free()
+        self.counter.free()
+
+
+class Ceiling:
+    """The dispatch's ceiling on one stream: ``dispatch_exchange`` (kernels/baselines.cu: every
+    rank's counts to every rank, waited for), the floor's launches, ``dispatch_signal`` (one
+    flag per (source, destination), waited for). ``counts``: uint32 (n_ranks, n_experts),
+    the step's counts (stored, not computed); waits bounded by ``timeout_ns`` (``errors``)."""
+
+    def __init__(self, dev, counts: np.ndarray, floor: list, timeout_ns: int = 200_000_000):
+        R, E = counts.shape
+        self.floor = floor
+        self.bufs = [driver.DeviceBuffer(8 * 2 * R * R * E, fill=0), driver.DeviceBuffer.from_array(
+            np.ascontiguousarray(counts, np.uint32)), driver.DeviceBuffer(8 * R, fill=0),
+            driver.DeviceBuffer(8 * R * R, fill=0), driver.DeviceBuffer(4, fill=0)]
+        xbuf, cnt, epoch, flag, self.err = self.bufs
+        u64, i32 = ctypes.c_uint64, ctypes.c_int32
+        self.exchange = Launch(cuda_function(dev, "dispatch_exchange"), "dispatch_exchange", R, 256, 0,
+                               [u64(xbuf.ptr), u64(cnt.ptr), u64(epoch.ptr), u64(self.err.ptr), i32(R), i32(E),
+                                u64(timeout_ns)])
+        self.signal = Launch(cuda_function(dev, "dispatch_signal"), "dispatch_signal", R, 32, 0,
+                             [u64(flag.ptr), u64(epoch.ptr), u64(self.err.ptr), i32(R), u64(timeout_ns)])
+
+    def launch(self, stream) -> None:
+        self.exchange(stream)
+        for f in self.floor:
+            f.launch(stream)
+        self.signal(stream)
+
+    def errors(self) -> int:
+        """Waits that timed out since construction (0 for a sound measurement)."""
+        return int(self.err.download(np.uint32)[0])
+
+    def close(self) -> None:
+        for b in self.bufs:
+            b.free()
+
+
+PARTS = ("fork", "tally", "count", "send", "wait", "join")
+
+
+def breakdown(d: Dispatch, s, steps: int = 12) -> dict:
+    """Per-kernel times of the fused step (as ``Dispatch.enqueue``), from events on every
+    rank's stream around each kernel, the stream held until every step is enqueued: per part
+    the median over steps of the longest rank. fork: the origin's mark to a rank stream's
+    first kernel (the slowest rank); join: the last rank's end to the origin's mark; tally:
+    an empty event pair (its cost, ~2.5 us on an H200) when not used. The parts of different
+    ranks overlap, and a part's longest rank includes the time the GPU takes to start that
+    kernel on every rank's stream: they need not add up to the step."""
+    R = d.n_ranks
+    marks = [[[driver.Event() for _ in range(5)] for _ in range(R)] for _ in range(steps)]
+    ends = [(driver.Event(), driver.Event()) for _ in range(steps)]
+    hold = Timer(s, device=d.dev)
+    hold.HOLD_NS_PER_ITER = 1_000_000          # ~100 driver calls per step, enqueued before it runs
+    hold.hold_stream(steps)
+    for i in range(steps):
+        ends[i][0].record(s)
+        d.fork.record(s)
+        for rd, st, m in zip(d.ranks, d.streams, marks[i]):
+            st.wait(d.fork)
+            m[0].record(st)
+            if rd.tally:
+                rd.launch_tally(st)
+            m[1].record(st)
+            rd.launch_count(st, tally=False)
+            m[2].record(st)
+        for rd, st, m in zip(d.ranks, d.streams, marks[i]):
+            rd.launch_send(st)
+            m[3].record(st)
+            rd.launch_wait(st)
+            m[4].record(st)
+        for ev, st in zip(d.done, d.streams):
+            s.wait(ev.record(st))
+        ends[i][1].record(s)
+    s.synchronize()
+    d.check()
+    per = {n: [] for n in PARTS}
+    for i in range(steps):
+        e0, e1 = ends[i]
+        ms = marks[i]
+        per["fork"].append(max(e0.elapsed_ms(m[0]) for m in ms))
+        for j, n in enumerate(("tally", "count", "send", "wait")):
+            per[n].append(max(m[j].elapsed_ms(m[j + 1]) for m in ms))
+        per["join"].append(min(m[4].elapsed_ms(e1) for m in ms))
+    for ev in [e for step in marks for m in step for e in m] + [e for pair in ends for e in pair]:
+        ev.close()
+    return {n: 1000.0 * statistics.median(v) for n, v in per.items()}
 
 
 def _routing(a, rng, tokens: int) -> list:
@@ -132,24 +249,44 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
             dst_s[s * tokens:(s + 1) * tokens][ok] = bs[dr[ok]] + row[ok].astype(np.uint64) * np.uint64(sh.s_bytes)
     floor = [Fanout(dev, xs.ptr, dst_x, sh.x_bytes // 16)] + \
         ([Fanout(dev, ss.ptr, dst_s, sh.s_bytes // 16)] if ss else [])
-    # the ceiling's exchange and signal: the dispatch kernels at 0 tokens
+    counts = np.zeros((R, R * L), np.uint32)
+    for r in range(R):
+        g = topk[r][topk[r] >= 0]
+        counts[r] = np.bincount(g, minlength=R * L)[: R * L]
+    ceiling = Ceiling(dev, counts, floor)
+    # a diagnostic: the dispatch's own kernels at 0 tokens (launches, exchange, signal)
     d0 = Dispatch(R, max_tokens=1, top_k=K, hidden=H, n_local_experts=L, payload=payload, capacity=1, device=dev,
                   inputs=False)
     for r in range(R):
         d0.bind(r, x=ArrayView(xs.ptr, (0, H), x_dt), topk_idx=ArrayView(tk.ptr, (0, K), np.int32),
                 scales=ArrayView(ss.ptr, (0, sh.s_bytes // 4), np.float32) if ss else None)
     s = ctx.stream
+    tally_default = d.ranks[0].tally
     d.enqueue(stream=s)                      # checked once before timing
     s.synchronize()
     d.check()
+    parts = {"dispatch": breakdown(d, s)}
+    if tally_default:                        # the single-CTA token pass, for comparison
+        d.set_tally(False)
+        parts["dispatch, one-CTA count"] = breakdown(d, s)
+        d.set_tally(None)
+    parts["dispatch at 0 tokens"] = breakdown(d0, s)
     got = d.ranks[0].view("recv_x")[: int(plan.dest[0].expert_offsets[-1])]
     want = dref.expected_rows(plan, 0, [xs.download(np.uint8, offset=p * tokens * sh.x_bytes,
                                                     nbytes=tokens * sh.x_bytes).reshape(tokens, sh.x_bytes)
                                          for p in range(R)], got, zero_padding=False)
     exact = bool(np.array_equal(got, want))
+    def one_cta(i):
+        d.set_tally(False)
+        d.enqueue(stream=s)
+        d.set_tally(None)
     fns = {"dispatch": lambda i: d.enqueue(stream=s),
            "copy floor": lambda i: [f.launch(s) for f in floor],
-           "ceiling": lambda i: (d0.enqueue(stream=s), [f.launch(s) for f in floor])}
+           "ceiling": lambda i: ceiling.launch(s),
+           "floor + per-CTA signal": lambda i: [f.launch(s, signal=True) for f in floor],
+           "dispatch at 0 tokens": lambda i: d0.enqueue(stream=s)}
+    if tally_default:
+        fns["dispatch, one-CTA count"] = one_cta
     if torch is not None and payload == "bf16":
         ts = torch.cuda.ExternalStream(int(s))
         with torch.cuda.stream(ts):
@@ -169,19 +306,28 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
     timer = Timer(s, hold=True, device=dev)
     # a step is ~30 driver calls per contender launch (8 ranks x 3 kernels, events): hold the
     # stream long enough that the host has enqueued a whole round before the GPU starts it
-    timer.HOLD_NS_PER_ITER = 500_000
+    timer.HOLD_NS_PER_ITER = 1_000_000       # and the one-CTA contender refills 16 parameter blocks
     res = timer.interleaved(fns, rounds=max(4, a.iters // 5), per_round=4, warmup=max(2, a.warmup // 2))
+    s.synchronize()
+    d.check()
+    got = d.ranks[0].view("recv_x")[: int(plan.dest[0].expert_offsets[-1])]
+    exact = exact and bool(np.array_equal(got, want))      # after every contender's steps too
     moved = R * tokens * (sh.x_bytes + sh.s_bytes) + sum(len(p.data_rows) for p in plan.dest) * (sh.x_bytes +
                                                                                                  sh.s_bytes)
     out = {"tokens": tokens, "payload": payload, "exact": exact, "bytes_moved": moved,
-           "capacity_rows": sh.capacity, "bytes_per_rank": sh.bytes_per_rank,
-           "results": {k: v["median_us"] for k, v in res.items()}}
+           "capacity_rows": sh.capacity, "bytes_per_rank": sh.bytes_per_rank, "tally": tally_default,
+           "tally_threads": d.ranks[0].tally_threads, "count_threads": d.ranks[0].count_threads,
+           "results": {k: v["median_us"] for k, v in res.items()}, "breakdown_us": parts,
+           "ceiling_timeouts": ceiling.errors()}
     r = out["results"]
     out["over_floor"] = r["dispatch"] / r["copy floor"]
     out["over_ceiling"] = r["dispatch"] / r["ceiling"]
+    if tally_default:
+        out["one_cta_over_floor"] = r["dispatch, one-CTA count"] / r["copy floor"]
     out["floor_TBps"] = moved / (r["copy floor"] * 1e-6) / 1e12
     if "torch sort + index_select" in r:
         out["torch_over_dispatch"] = r["torch sort + index_select"] / r["dispatch"]
+    ceiling.close()
     for f in floor:
         f.close()
     d0.close()
@@ -207,16 +353,27 @@ def table(out: dict) -> str:
     if not sec:
         return ""
     L = ["\ndispatch (8 ranks on this GPU; us, median of turns; floor = one copy kernel of every copy to its row; "
-         "ceiling = floor after the count exchange and the least signal)",
+         "ceiling = count exchange, floor, least signal; 1-CTA = the dispatch with the single-CTA token pass; "
+         "0 tok = the dispatch at 0 tokens; fl+sig = the floor with the send's per-CTA signal)",
          f"  {'tokens':>6} {'payload':>7} {'dispatch':>9} {'floor':>9} {'ceiling':>9} {'torch':>9} "
-         f"{'/floor':>7} {'/ceil':>7} {'torch/x':>8} exact"]
+         f"{'/floor':>7} {'/ceil':>7} {'torch/x':>8} {'1-CTA':>9} {'1-CTA/fl':>8} {'0 tok':>7} {'fl+sig':>8} exact"]
     for c in sec["cases"]:
         r = c["results"]
         t = r.get("torch sort + index_select")
         ts, tx = (f"{t:.1f}", f"{c['torch_over_dispatch']:.2f}") if t else ("-", "-")
+        o = r.get("dispatch, one-CTA count")
+        os_, ox = (f"{o:.1f}", f"{c['one_cta_over_floor']:.3f}") if o else ("-", "-")
         L.append(f"  {c['tokens']:>6} {c['payload']:>7} {r['dispatch']:>9.1f} {r['copy floor']:>9.1f} "
                  f"{r['ceiling']:>9.1f} {ts:>9} {c['over_floor']:>7.3f} {c['over_ceiling']:>7.3f} {tx:>8} "
-                 f"{c['exact']}")
+                 f"{os_:>9} {ox:>8} {r['dispatch at 0 tokens']:>7.1f} {r['floor + per-CTA signal']:>8.1f} "
+                 f"{c['exact']}"
+                 + ("" if not c.get("ceiling_timeouts") else f" CEILING TIMEOUTS {c['ceiling_timeouts']}"))
+    L.append("  per-kernel breakdown (us; per part the median over 12 steps of the longest rank; events on the rank "
+             "streams)")
+    L.append(f"  {'tokens':>6} {'payload':>7} {'variant':<24} " + " ".join(f"{n:>7}" for n in PARTS))
+    for c in sec["cases"]:
+        for name, b in c["breakdown_us"].items():
+            L.append(f"  {c['tokens']:>6} {c['payload']:>7} {name:<24} " + " ".join(f"{b[n]:>7.1f}" for n in PARTS))
     return "\n".join(L)
 
 

@@ -8,7 +8,9 @@ Three kernels per rank and step, on its stream, with no host synchronisation:
 ``p3_dispatch_count`` (check and count the choices, exchange the counts with every rank,
 lay every destination out), ``p3_dispatch_send`` (every token read once, each copy stored
 straight to its final row, one flag per destination), ``p3_dispatch_wait`` (the bounded
-wait for every source's flag; zero padding rows). Launch shapes come from the token count
+wait for every source's flag; zero padding rows). When a rank's tokens fill more than one
+count CTA's chunk, ``p3_dispatch_tally`` makes the check-and-count pass first, one CTA per
+chunk, and the count kernel only sums the chunks (the same rows: ``set_tally``). Launch shapes come from the token count
 and the capacity, never from this step's counts, so a captured graph replays with any
 routing. Counters are device-side epochs: nothing is reset between steps or replays.
 
@@ -36,11 +38,15 @@ FLAG_INT64 = 1        # p3_dispatch_count: topk_idx is int64
 FLAG_SCOPE_GPU = 2    # every rank on this GPU: .gpu-scope fences, count stores and flags
 FLAG_PUSH_ONLY = 4    # p3_dispatch_count, split in two launches: count and push only
 FLAG_LAYOUT_ONLY = 8  # ... then the wait and the layout
+FLAG_TALLIED = 16     # p3_dispatch_count: p3_dispatch_tally made the token pass (one CTA per chunk)
 FLAG_ZERO_PAD = 1     # p3_dispatch_wait: zero the padding rows
 
 #: Threads of each kernel's CTA. The count kernel's block is its chunk of tokens: 1024 where
-#: its shared memory fits (E <= 640 or so), else 512.
-COUNT_THREADS, SEND_THREADS, WAIT_THREADS = 1024, 256, 256
+#: its shared memory fits (E <= 640 or so), else 512. The tally kernel's block (its chunk):
+#: TALLY_THREADS (or the count kernel's block if smaller) unless ``set_tally`` says otherwise
+#: (a power of two, 32 .. the count kernel's block): its chunks spread over more SMs than
+#: 1024-token ones, for a few more chunks for the count kernel to sum.
+COUNT_THREADS, SEND_THREADS, WAIT_THREADS, TALLY_THREADS = 1024, 256, 256, 256
 #: u64 words of the dispatch record (docs/KERNELS.md, p3_dispatch_count).
 RECORD_WORDS = 16
 #: Record words that hold a minimum (atom.min from all-ones).
@@ -53,7 +59,10 @@ PAYLOADS = ("bf16", "fp8")
 #: FP8 rows carry one fp32 scale per this many columns (DeepGEMM's activation layout).
 FP8_SCALE_BLOCK = 128
 #: The record's word 12: which kernel refused its arguments.
-KERNEL_BITS = ((1, "p3_dispatch_count"), (2, "p3_dispatch_send"), (4, "p3_dispatch_wait"))
+KERNEL_BITS = ((1, "p3_dispatch_count"), (2, "p3_dispatch_send"), (4, "p3_dispatch_wait"),
+               (8, "p3_dispatch_tally"))
+#: The smallest chunk of the tally kernel: its buffer holds ceil(max_tokens / this) chunks.
+TALLY_MIN_TOKENS = 32
 #: What the kernels take (their headers): experts in all, capacity rows (below), the
 #: 32-bit products of their index arithmetic (below), the largest alignment.
 MAX_EXPERTS, CAPACITY_LIMIT, INDEX_LIMIT, MAX_ALIGN = 1024, 1 << 30, 1 << 31, 4096
@@ -506,7 +515,9 @@ class RankDispatch:
         self.k_count = kernel("p3_dispatch_count", device)
         self.k_send = kernel("p3_dispatch_send", device)
         self.k_wait = kernel("p3_dispatch_wait", device)
+        self.k_tally = kernel("p3_dispatch_tally", device)
         driver.set_max_dynamic_smem(self.k_count.func, max(self.count_smem, 1))
+        driver.set_max_dynamic_smem(self.k_tally.func, max(self._tally_smem(self.count_threads), 1))
         self.recv_x_alloc = alloc(cap * sh.x_bytes + 2 * guard, SENTINEL, "recv_x")
         self.recv_scales_alloc = alloc(cap * sh.s_bytes + 2 * guard, SENTINEL, "recv_scales") if sh.s_bytes else None
         self.src_info_alloc = alloc(8 * cap + 2 * guard, 0xFF, "src_info")
@@ -518,6 +529,7 @@ class RankDispatch:
         self.topk_out = alloc(4 * slots, 0xFF, "topk_out")
         self.route = alloc(8 * slots, 0xFF, "route")
         self.state = alloc(32, 0, "state")
+        self.tally_buf = alloc(4 * E * -(-max(sh.max_tokens, 1) // TALLY_MIN_TOKENS), 0, "tally")
         self.diag = alloc(8 * RECORD_WORDS, None, "diag")
         self.diag.upload(record_init())
         self.x = alloc(max(sh.max_tokens, 1) * sh.x_bytes, None, "x") if inputs else None
@@ -529,6 +541,12 @@ class RankDispatch:
         self.b_layout = self.k_count.params_block()
         self.b_send = self.k_send.params_block()
         self.b_wait = self.k_wait.params_block()
+        self.b_tally = self.k_tally.params_block()
+        #: None: the tally kernel makes the token pass when the tokens fill more than one count
+        #: CTA's chunk (the single CTA then walks them in turn); True / False: always / never.
+        self.tally_mode, self.tally, self.tally_grid = None, False, 1
+        self.tally_threads = min(TALLY_THREADS, self.count_threads)
+        self.inputs = None
         self.send_grid = 1
         self.wait_grid = self._wait_grid()
         self.p3_control = 0
@@ -544,6 +562,35 @@ class RankDispatch:
 
     def peer_info(self) -> dict:
         return {n: self.ptr(n) for n in ("recv_x", "recv_scales", "src_info", "xcount", "flags")}
+
+    def _tally_smem(self, threads: int) -> int:
+        return 8 * self.shape.n_experts * (threads // 32) + 4 * self.shape.n_experts
+
+    def set_tally(self, on: bool | None = None, threads: int | None = None) -> None:
+        """Which token pass a step makes (refilled at once when inputs are bound). The rows,
+        routing and record are the same either way.
+
+        Args:
+            on: None (the default): the tally kernel's multi-CTA pass when this step's tokens
+                are more than one count CTA's chunk, else the count kernel's own; True /
+                False: always / never.
+            threads: the tally kernel's block and chunk of tokens (a power of two, 32 .. the
+                count kernel's block); None: unchanged (default ``TALLY_THREADS``).
+
+        Raises:
+            ConfigError: a bad ``on`` or ``threads``.
+        """
+        p = _Problems()
+        if on is not None:
+            p.flag("on", on)
+        t = self.tally_threads if threads is None else p.int("threads", threads, TALLY_MIN_TOKENS,
+                                                             self.count_threads, " (a power of two)")
+        if t is not None and t & (t - 1):
+            p.add(f"threads: expected a power of two in {TALLY_MIN_TOKENS}..{self.count_threads}, got {t}")
+        p.raise_any(f"rank {self.rank} tally")
+        self.tally_mode, self.tally_threads = (None if on is None else bool(on)), int(t)
+        if self.inputs is not None:
+            self._fill()
 
     def _wait_grid(self) -> int:
         sh = self.shape
@@ -642,13 +689,20 @@ class RankDispatch:
         sh, (xa, sa, ka) = self.shape, self.inputs
         scope = FLAG_SCOPE_GPU if self.same_gpu else 0
         pick = [[p[n] for p in self.peers] for n in ("xcount", "recv_x", "recv_scales", "src_info", "flags")]
+        self.tally = self.tokens > self.count_threads if self.tally_mode is None else self.tally_mode
+        self.tally_grid = max(1, -(-self.tokens // self.tally_threads))
+        tallied = FLAG_TALLIED if self.tally else 0
         for blk, split in ((self.b_count, 0), (self.b_push, FLAG_PUSH_ONLY), (self.b_layout, FLAG_LAYOUT_ONLY)):
             blk.set(cfg=self.cfg, xcount_ptrs=pick[0], topk_idx=ka, topk_out=self.topk_out, route=self.route,
                     expert_offsets=self.expert_offsets, range_table=self.range_table,
                     expert_counts=self.expert_counts, state_ptr=self.state, diag_ptr=self.diag,
                     timeout_ns=self.timeout_ns, n_tokens=self.tokens, n_local=sh.n_local,
                     capacity=sh.capacity, align=sh.align, expert_stride=sh.expert_stride,
-                    flags=(FLAG_INT64 if self.int64 else 0) | scope | split, p3_control=self.p3_control)
+                    flags=(FLAG_INT64 if self.int64 else 0) | scope | split | tallied, tally=self.tally_buf,
+                    tally_tokens=self.tally_threads, p3_control=self.p3_control)
+        self.b_tally.set(cfg=self.cfg, topk_idx=ka, topk_out=self.topk_out, route=self.route, tally=self.tally_buf,
+                         diag_ptr=self.diag, n_tokens=self.tokens, n_local=sh.n_local,
+                         flags=FLAG_INT64 if self.int64 else 0, p3_control=self.p3_control)
         self.b_send.set(cfg=self.cfg, x_ptrs=pick[1], scale_ptrs=pick[2], info_ptrs=pick[3], flag_ptrs=pick[4],
                         x=xa, scales=sa, route=self.route, state_ptr=self.state, diag_ptr=self.diag,
                         n_tokens=self.tokens, x_bytes=sh.x_bytes, s_bytes=sh.s_bytes, capacity=sh.capacity,
@@ -665,14 +719,22 @@ class RankDispatch:
     def set_control(self, p3_control: int) -> None:
         """< 0: every kernel of this rank's dispatch returns at once (on every rank alike)."""
         self.p3_control = int(p3_control)
-        for b in (self.b_count, self.b_push, self.b_layout, self.b_send, self.b_wait):
+        for b in (self.b_count, self.b_push, self.b_layout, self.b_send, self.b_wait, self.b_tally):
             b.set(p3_control=self.p3_control)
 
     # ------------------------------------------------------------ launches
-    def launch_count(self, stream, split: int = 0) -> None:
-        """The count kernel: fused (split 0), or its FLAG_PUSH_ONLY / FLAG_LAYOUT_ONLY launch."""
+    def launch_count(self, stream, split: int = 0, tally: bool = True) -> None:
+        """The count kernel: fused (split 0), or its FLAG_PUSH_ONLY / FLAG_LAYOUT_ONLY launch;
+        before the fused or push-only one, the tally kernel when this step uses it (and
+        ``tally``: False leaves it to the caller, as ``launch_tally``)."""
+        if tally and self.tally and split != FLAG_LAYOUT_ONLY:
+            self.launch_tally(stream)
         blk = {0: self.b_count, FLAG_PUSH_ONLY: self.b_push, FLAG_LAYOUT_ONLY: self.b_layout}[split]
         blk.launch((1,), (self.count_threads,), stream, self.count_smem)
+
+    def launch_tally(self, stream) -> None:
+        """The tally kernel (the multi-CTA token pass), when this step uses it (``tally``)."""
+        self.b_tally.launch((self.tally_grid,), (self.tally_threads,), stream, self._tally_smem(self.tally_threads))
 
     def launch_send(self, stream) -> None:
         self.b_send.launch((self.send_grid,), (SEND_THREADS,), stream)
@@ -859,6 +921,22 @@ class Dispatch:
             scales: fp8 only: f32 (T, hidden/128); None for bf16.
         """
         self.ranks[r].set_inputs(x=x, topk_idx=topk_idx, scales=scales)
+
+    def set_tally(self, on: bool | None = None, threads: int | None = None) -> None:
+        """Every rank's ``RankDispatch.set_tally``: which token pass the steps make. The
+        outputs are the same either way.
+
+        Args:
+            on: None (the default): the multi-CTA tally when a rank's tokens fill more than
+                one count CTA's chunk; True / False: always / never.
+            threads: the tally kernel's block and chunk of tokens (a power of two, 32 .. the
+                count kernel's block); None: unchanged (default ``TALLY_THREADS``).
+
+        Raises:
+            ConfigError: a bad ``on`` or ``threads``.
+        """
+        for rd in self.ranks:
+            rd.set_tally(on, threads)
 
     def bind(self, r: int, *, x, topk_idx, scales=None) -> None:
         """Attach rank r's inputs as device arrays the caller owns and refreshes in place

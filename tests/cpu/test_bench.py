@@ -135,7 +135,8 @@ def test_the_cuda_baselines_compile_for_sm90_with_nvcc(defines, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     entries = {line.split("(")[0].split()[-1] for line in out.read_text().splitlines() if ".entry" in line}
-    assert entries == {"baseline_copy", "baseline_scatter", "baseline_rows", "baseline_publish", "baseline_reduce"}
+    assert entries == {"baseline_copy", "baseline_scatter", "baseline_rows", "baseline_publish", "baseline_reduce",
+                       "dispatch_exchange", "dispatch_signal"}
 
 
 def test_the_cuda_baselines_compile_with_nvrtc():

@@ -378,10 +378,44 @@ def test_dispatch_frees_everything_when_any_allocation_fails(fake, stacked):
 
 @pytest.mark.parametrize("what, n", [("kernel", 0), ("kernel", 4), ("stream", 1), ("stream", 2)])
 def test_dispatch_frees_everything_when_a_kernel_load_or_stream_fails(fake, what, n):
-    setattr(fake, f"fail_{what}", n)                  # kernel 4: rank 1's second; stream 2: the origin
+    setattr(fake, f"fail_{what}", n)                  # kernel 4: rank 1's first; stream 2: the origin
     with pytest.raises(CudaError):
         make_dispatch()
     assert fake.leaks() == [] and (fake.allocs > 0) == (n > 0)     # kernel 0: before rank 0's first buffer
+
+
+def test_set_tally_refuses_bad_arguments_by_name(fake):
+    d = make_dispatch()
+    try:
+        for bad, kind in ((16, "value"), (48, "value"), (2048, "value"), ("32", "type"), (True, "type")):
+            with pytest.raises(ConfigError) as ei:
+                d.set_tally(True, bad)
+            refused(ei, "threads", kind)
+        with pytest.raises(ConfigError) as ei:
+            d.set_tally("yes")
+        refused(ei, "on", "type")
+        d.set_tally(True, 32)
+        assert all(rd.tally_mode is True and rd.tally_threads == 32 for rd in d.ranks)
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("tokens, tally, grid", [(0, False, 1), (1024, False, 1), (1025, True, 2), (2048, True, 2),
+                                                 (2049, True, 3)])
+def test_the_tally_path_is_taken_when_the_tokens_fill_more_than_one_count_cta(fake, monkeypatch, tokens, tally, grid):
+    monkeypatch.setattr(driver, "pointer_ordinal", lambda addr: 0)      # the stand-in buffers are on GPU 0
+    d = make_dispatch(max_tokens=2049)
+    try:
+        rd = d.ranks[0]
+        assert rd.count_threads == 1024
+        rd.set_inputs(x=np.zeros((tokens, 64), np.uint16), topk_idx=np.full((tokens, 2), -1, np.int32))
+        assert (rd.tally, rd.tally_threads, rd.tally_grid) == (tally, 256, max(1, -(-tokens // 256)))
+        rd.set_tally(None, 1024)                      # another chunk: refilled at once
+        assert (rd.tally, rd.tally_grid) == (tally, grid)
+        rd.set_tally(False)
+        assert not rd.tally
+    finally:
+        d.close()
 
 
 def test_dispatch_close_finishes_when_a_free_fails(fake):

@@ -123,9 +123,12 @@ def assert_record(d: Dispatch, case) -> None:
         d.check()
 
 
-def run_case(dev, case, *, steps: int = 2, fused: bool = True) -> None:
-    """``steps`` consecutive steps of ``case``'s shape on the same buffers, each exact."""
+def run_case(dev, case, *, steps: int = 2, fused: bool = True, tally: tuple | None = None) -> None:
+    """``steps`` consecutive steps of ``case``'s shape on the same buffers, each exact;
+    ``tally``: ``Dispatch.set_tally``'s (on, threads) first."""
     d = make(dev, case, fused=fused)
+    if tally is not None:
+        d.set_tally(*tally)
     try:
         before = snapshot(d)
         for i in range(steps):
@@ -149,6 +152,62 @@ def test_steps_are_the_reference(dev, family):
 @pytest.mark.parametrize("family", ["random", "errors", "aligned", "fp8"])
 def test_split_launches_are_the_reference(dev, family):
     run_case(dev, cases.dispatch_case(family, fresh_seed(f"split/{family}")), fused=False)
+
+
+#: The families the multi-CTA token pass (p3_dispatch_tally) runs in chunks of 32 tokens: the
+#: families' 1 - 60 tokens make one or two chunks (no tokens: one empty CTA).
+TALLIED = ("random", "one_token", "no_tokens", "uneven", "masked", "all_masked", "empty_experts", "skewed",
+           "errors", "int64", "aligned", "masked_layout_zero", "overflow", "overflow_aligned", "overflow_masked",
+           "top1", "fp8", "dsv3", "dsv3_fp8")
+
+
+@pytest.mark.parametrize("family", TALLIED)
+def test_the_tally_path_is_the_reference(dev, family):
+    run_case(dev, cases.dispatch_case(family, fresh_seed(f"tally/{family}")), tally=(True, 32))
+
+
+@pytest.mark.parametrize("family, tokens, threads", [("random", 300, 32), ("errors", 300, 64),
+                                                     ("overflow", 257, 128), ("int64", 200, 32)])
+def test_the_tally_path_over_many_chunks_is_the_reference(dev, family, tokens, threads):
+    """Many chunks per rank (a chunk's positions continue the chunks before it), fused and split."""
+    case = cases.dispatch_case(family, fresh_seed(f"tally chunks/{family}"), tokens=tokens)
+    run_case(dev, case, tally=(True, threads))
+    run_case(dev, case, tally=(True, threads), fused=False, steps=1)
+
+
+def test_more_tokens_than_a_count_cta_take_the_tally_path_by_default(dev):
+    case = cases.dispatch_case("masked", fresh_seed("tally default"), tokens=1100)
+    d = make(dev, case)
+    try:
+        load(d, case)
+        assert all(rd.tally and rd.tally_grid == -(-1100 // rd.tally_threads) for rd in d.ranks)
+    finally:
+        d.close()
+    run_case(dev, case)
+    run_case(dev, case, tally=(False,))                 # the single-CTA pass over the same tokens
+
+
+def test_the_tally_path_replays_in_graphs_with_new_routing(dev):
+    seed = fresh_seed("tally graph")
+    case = cases.dispatch_case("errors", seed, tokens=100)
+    d = make(dev, case)
+    d.set_tally(True, 32)
+    try:
+        load(d, case)
+        before = snapshot(d)
+        graph = d.capture()
+        for i in range(4):
+            c = cases.dispatch_redraw(case, seed + 7 * (i + 1))
+            load(d, c)
+            graph.launch(d.origin)
+            d.origin.synchronize()
+            got = snapshot(d)
+            assert_step(c, got, expect(c, before, d.ranks[0].guard), f" replay {i}")
+            assert_record(d, c)
+            before = got
+        graph.close()
+    finally:
+        d.close()
 
 
 def test_graph_replays_with_new_routing_two_graphs_one_set_of_buffers(dev):
@@ -442,6 +501,11 @@ def sanitize_cases(dev) -> None:
     for i, fam in enumerate(SANITIZED):
         run_case(dev, cases.dispatch_case(fam, 3000 + i), steps=2 if i < 2 else 1, fused=False)
         print("dispatch ok", fam, flush=True)
+    # the multi-CTA token pass (p3_dispatch_tally): several chunks of 32 tokens, edge families
+    for i, (fam, tokens) in enumerate((("errors", 100), ("int64", 70), ("overflow", 90), ("no_tokens", None),
+                                        ("fp8", 40))):
+        run_case(dev, cases.dispatch_case(fam, 3200 + i, tokens=tokens), steps=1, fused=False, tally=(True, 32))
+        print("dispatch tally ok", fam, flush=True)
     case = cases.dispatch_case("masked", 3100)
     d = make(dev, case, fused=False, timeout_ms=300)
     try:

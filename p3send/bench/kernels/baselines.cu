@@ -6,6 +6,8 @@
 //   baseline_rows     the scatter ceiling: rows to precomputed destinations, optionally signalled
 //   baseline_publish  the flags of baseline_rows published by a kernel of their own
 //   baseline_reduce   the reduce ceiling: p3_recv_reduce's arithmetic without the wait
+//   dispatch_exchange the dispatch ceiling's count exchange (every rank's counts to every rank)
+//   dispatch_signal   the dispatch ceiling's least signal: one flag per (source, destination), waited for
 //
 // Compile-time parameters (-D): VPT 16-byte vectors per thread, MAXT the most threads per CTA
 // (__launch_bounds__), HINT 1 streaming (.cs) loads and stores. Requires sm_90 (bf16x2
@@ -266,4 +268,66 @@ extern "C" __global__ void __launch_bounds__(MAXT) baseline_reduce(const __grid_
         o.z = pack_bf16(a[4], a[5]); o.w = pack_bf16(a[6], a[7]);
         st16((uint4*)p.out[r] + (u64)t * nv + v, o);
     }
+}
+
+// The dispatch's ceiling (p3send/bench/dispatch.py): the least synchronisation the dispatch's
+// protocol needs around the copy floor, for every rank of a one-GPU step, CTA r acting for
+// rank r (grid n_ranks, every CTA resident: each waits for the others).
+// dispatch_exchange: CTA r takes the step's epoch (epoch[r] + 1), stores its n_experts counts
+// (counts[r][g], given) tagged with the epoch into every rank p's exchange buffer
+// xbuf[parity][p][r][g] (one fence before: the release), then polls its own n_ranks x
+// n_experts words until each carries the tag (a fence after: the acquire). dispatch_signal
+// (after the copy, by stream order): CTA r stores the epoch into flag[p][r] of every rank p,
+// then polls its own n_ranks flags with acquire loads. Both give up timeout_ns after they
+// started and count it in err[0]. The counts are not computed: the dispatch's counting and
+// layout are what the ceiling leaves out.
+__device__ __forceinline__ u64 gtimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+extern "C" __global__ void dispatch_exchange(u64* xbuf, const u32* __restrict__ counts, u64* epoch, u32* err,
+                                             int n_ranks, int n_experts, u64 timeout_ns)
+{
+    const u64 t0 = gtimer();
+    const int r = blockIdx.x, n = n_ranks * n_experts;
+    const u64 e = epoch[r] + 1;                   // read by every thread before thread 0 stores it below
+    const u64 tag = (e % 0xFFFFFFFFull) + 1;      // never the zero of a fresh buffer
+    u64* half = xbuf + (e & 1) * (u64)n_ranks * n;
+    __threadfence();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int p = i / n_experts, g = i - p * n_experts;
+        const u64 v = tag << 32 | counts[r * n_experts + g];
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(half + (u64)p * n + r * n_experts + g), "l"(v)
+                     : "memory");
+    }
+    bool late = false;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const u64* w = half + (u64)r * n + i;
+        u64 v;
+        do {
+            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(w) : "memory");
+        } while ((v >> 32) != tag && !(late = gtimer() - t0 > timeout_ns));
+        if (late) break;
+    }
+    __threadfence();
+    if (late) atomicAdd(err, 1u);
+    __syncthreads();
+    if (threadIdx.x == 0) epoch[r] = e;
+}
+extern "C" __global__ void dispatch_signal(u64* flag, const u64* __restrict__ epoch, u32* err, int n_ranks,
+                                           u64 timeout_ns)
+{
+    const u64 t0 = gtimer();
+    const int r = blockIdx.x, s = threadIdx.x;
+    if (s >= n_ranks) return;
+    const u64 e = epoch[r];
+    __threadfence();                              // the copy before it (stream order), released
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(flag + s * n_ranks + r), "l"(e) : "memory");
+    u64 v;
+    bool late = false;
+    do {
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(flag + r * n_ranks + s) : "memory");
+    } while (v != e && !(late = gtimer() - t0 > timeout_ns));
+    if (late) atomicAdd(err, 1u);
 }
