@@ -3,6 +3,7 @@
     python tools/build_gemm.py            # write ptx/p3_gemm_send.ptx
     python tools/build_gemm.py --check    # exit 1 if the shipped file differs from a fresh build
     python tools/build_gemm.py --ptxas    # also assemble the loaded (inlined) module, print resources
+    python tools/build_gemm.py --variant outline -o OUT.ptx   # a measurement variant (never shipped)
 
 The shipped file is nvcc 13.0.88's output byte for byte, so only that nvcc builds it: the
 one of the pinned nvidia-cuda-nvcc wheel (``pip install -e '.[test]'`` installs it and the
@@ -268,8 +269,11 @@ def inlined(text: str) -> str:
     return ptxdoc.module_text(text, [("p3_send_rows.ptx", (ROOT / "ptx" / "p3_send_rows.ptx").read_text())])
 
 
+#: Measurement variants of the bf16 kernel: name -> its macros (the source says what each does).
+VARIANTS = {"outline": ["-DP3G_OUTLINE"]}
+
 GEMM = GemmBuild("build_gemm", "p3_gemm_send",
-                 ("cfg", "ctx", "tmaps", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"))
+                 ("cfg", "ctx", "tmaps", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"), VARIANTS)
 SRC, OUT, HEADER_BEGIN, HEADER_END, PARAM_NAMES = GEMM.src, GEMM.out, GEMM.header_begin, GEMM.header_end, \
     GEMM.param_names
 header, build = GEMM.header, GEMM.build

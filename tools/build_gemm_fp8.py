@@ -25,7 +25,8 @@ ROOT = build_gemm.ROOT
 BuildError = build_gemm.BuildError
 
 #: Measurement variants: name -> the macros they are compiled with (the source says what each does).
-VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"]}
+VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"], "dual": ["-DP3F_DUAL"], "send_wg": ["-DP3F_SEND_WG"],
+            "outline": ["-DP3F_OUTLINE"]}
 
 GEMM = build_gemm.GemmBuild("build_gemm_fp8", "p3_gemm_fp8_send",
                             ("cfg", "ctx", "tmaps", "sb", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"), VARIANTS)

@@ -9,7 +9,9 @@ Contenders, timed in turns (``Timer.interleaved``) in ``PASSES`` passes: the qua
 fused (rows sent to 8 receive buffers on this GPU, .gpu-scope signal), the same fused launch
 linked through cuLink, a no-promotion variant of the gated GEMM when its PTX is found
 (``P3SEND_FP8_VARIANTS``: a folder holding ``p3_gemm_fp8_send.no_promote.ptx`` from
-tools/build_gemm_fp8.py --variant), p3send's bf16 GEMM (inlined and linked), torch's
+tools/build_gemm_fp8.py --variant), the variants of ``SHAPE_VARIANTS`` gated and fused when
+their PTX is in that folder (each checked first: fused == its gated C sent by
+p3_scatter_send, and its C equal to the shipped kernel's, bit for bit), p3send's bf16 GEMM (inlined and linked), torch's
 ``_scaled_grouped_mm`` (rowwise scales), DeepGEMM's contiguous GEMM (and its masked one at
 decode) when ``import deep_gemm`` works, DeepGEMM followed by ``p3_scatter_send``, and a
 read-only kernel over the FP8 weights' bytes (the decode floor). Useful FLOPs count real rows
@@ -44,7 +46,14 @@ PASSES = 3
 VARIANTS_ENV = "P3SEND_FP8_VARIANTS"
 SKIP_ENV = "P3SEND_FP8_SKIP"          # comma-separated parts of contender names to leave out
 SAMPLE_ROWS = 48
+#: Variants timed gated and fused beside the shipped kernel when their PTX is in the
+#: P3SEND_FP8_VARIANTS folder: name -> (label (no commas: P3SEND_FP8_SKIP's separator), launch
+#: shape (threads, dynamic shared memory) or None, linked through cuLink (else inlined))
+SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets (setmaxnreg 88/208)", None, False),
+                  "send_wg": ("send_wg: 512 threads (7 send warps)", (512, 202612 + 4 * 48), False),
+                  "outline": ("outline: consumer outlined and linked (cuLink)", None, True)}
 FLOOR = "weight-read floor (FP8 weights read once)"
+BF16_OUTLINED = "p3_gemm_send (bf16) fused, linked (cuLink), consumer outlined"
 
 # The weight-read floor: every 16-byte vector of a buffer read once (4 per thread, coalesced,
 # L1 bypassed), folded into one word that is stored only if it equals a constant.
@@ -117,9 +126,9 @@ def routing(rng, off: np.ndarray, rpe: np.ndarray, ranks: int, top_k: int):
     return counts, src, max_tok
 
 
-def _variant(name: str) -> str | None:
+def _variant(name: str, entry: str = "p3_gemm_fp8_send") -> str | None:
     d = os.environ.get(VARIANTS_ENV)
-    p = Path(d) / f"p3_gemm_fp8_send.{name}.ptx" if d else None
+    p = Path(d) / f"{entry}.{name}.ptx" if d else None
     return p.read_text() if p is not None and p.is_file() else None
 
 
@@ -255,6 +264,34 @@ def measure_shape(ctx, name: str) -> dict:
             fns[f"p3_gemm_fp8_send gated bm={bm0}, promotion off (wrong numbers)"] = lambda i: gv.launch(s, gv_blk)
         else:
             out["no_promote"] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.no_promote.ptx"
+        c_ref = c.clone()
+        skip = [t for t in os.environ.get(SKIP_ENV, "").split(",") if t]
+        for vname, (label, shape, linked) in SHAPE_VARIANTS.items():
+            vt = _variant(vname)
+            if vt is None:
+                out[vname] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.{vname}.ptx"
+                continue
+            if any(t in label for t in skip):
+                out[vname] = f"skipped ({SKIP_ENV})"
+                continue
+            # its checks launch it first: a variant that fails or hangs there is named by this line
+            print(f"[probe] {name}: {label}", flush=True)
+            gv = GroupedGemmFp8Send(E, device=dev, variant_ptx=vt, linked=linked)
+            closers.append(gv)
+            if shape is not None:           # another launch shape: (threads, dynamic shared memory)
+                gv.threads, gv.smem = shape
+                driver.set_max_dynamic_smem(gv.k.func, gv.smem)
+            vb = {f"gated bm={bm0}": gv.prepare(cfgs[0], aq, sa, bw, sb, offsets, c, bm=bm0,
+                                                into=gv.k.params_block(), **common),
+                  f"fused bm={bm0}": gv.prepare(cfgs[1], aq, sa, bw, sb, offsets, bm=bm0, count_ptrs=cptr[1],
+                                                p3_control=0, same_gpu=True, into=gv.k.params_block(), **common)}
+            same = fused_equals_gated_then_scatter_send(torch, s, gv, vb, (bm0,), sender, cfgs[0], c, offsets, off,
+                                                        recvs, counts)
+            out[vname] = {"fused_equals_gated_then_scatter_send": same,
+                          "c_equals_shipped": bool(torch.equal(c.view(torch.int16), c_ref.view(torch.int16)))}
+            fns[f"p3_gemm_fp8_send gated bm={bm0}, {label}"] = lambda i, gv=gv, b=vb[f"gated bm={bm0}"]: gv.launch(s, b)
+            fns[f"p3_gemm_fp8_send fused bm={bm0}, {label}"] = lambda i, gv=gv, b=vb[f"fused bm={bm0}"]: gv.launch(s, b)
+        c.copy_(c_ref)
         # p3send's bf16 GEMM on the same rows (the weights dequantised to bf16)
         wb = (bw.float() * sb.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(torch.bfloat16)
         cb = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
@@ -270,6 +307,13 @@ def measure_shape(ctx, name: str) -> dict:
         fns["p3_gemm_send (bf16) gated"] = lambda i: g16.launch(s, g16_gated)
         fns["p3_gemm_send (bf16) fused"] = lambda i: g16.launch(s, g16_fused)
         fns["p3_gemm_send (bf16) fused, linked (cuLink)"] = lambda i: g16l.launch(s, g16_link)
+        b16v = _variant("outline", "p3_gemm_send")
+        if b16v is not None:      # the linked route with the consumers' mainloop outlined (no C7509)
+            g16o = GroupedGemmSend(E, device=dev, linked=True, variant_ptx=b16v)
+            closers.append(g16o)
+            g16_out = g16o.prepare(cfgs[1], x, wb, offsets, count_ptrs=cptr[1], p3_control=0, same_gpu=True,
+                                   into=g16o.k.params_block(), **b16)
+            fns[BF16_OUTLINED] = lambda i: g16o.launch(s, g16_out)
         # torch's FP8 grouped GEMM (rowwise scales: another recipe, timed only)
         ends = torch.from_numpy(off[1:].astype(np.int32)).cuda()
         ra, rb = torch.ones(rows, device="cuda"), torch.ones(E, N, device="cuda")
@@ -412,7 +456,15 @@ def _ratios(res: dict, name: str, bm0: int, passes: list) -> dict:
            "promotion_cost": r(gated, f"p3_gemm_fp8_send gated bm={bm0}, promotion off (wrong numbers)"),
            "fp8_linked_over_inlined": r(f"p3_gemm_fp8_send fused bm={bm0}, linked (cuLink)", fused),
            "bf16_linked_over_inlined": r("p3_gemm_send (bf16) fused, linked (cuLink)", "p3_gemm_send (bf16) fused"),
+           "bf16_linked_outlined_over_inlined": r(BF16_OUTLINED, "p3_gemm_send (bf16) fused"),
            "fp8_over_bf16": r(gated, "p3_gemm_send (bf16) gated")}
+    for label, _, _ in SHAPE_VARIANTS.values():
+        g_v, f_v = f"{gated}, {label}", f"{fused}, {label}"
+        out[f"[{label}] gemm_over_deepgemm"] = r(g_v, "DeepGEMM contiguous")
+        out[f"[{label}] gemm_over_shipped_gemm"] = r(g_v, gated)
+        out[f"[{label}] fused_over_gemm"] = r(f_v, g_v)
+        out[f"[{label}] fused_over_shipped_fused"] = r(f_v, fused)
+        out[f"[{label}] fused_over_deepgemm_then_send"] = r(f_v, "DeepGEMM contiguous + p3_scatter_send")
     if name == "decode":
         out["packed_bm64_over_read_floor"] = r("p3_gemm_fp8_send gated bm=64, packed rows", FLOOR)
         out["packed_fused_minus_gemm_us"] = r("p3_gemm_fp8_send fused bm=64, packed rows",
@@ -442,6 +494,7 @@ TARGETS = {"gemm_over_deepgemm": "<= 1.00 (prefill shapes)", "fused_over_gemm": 
            "fused_minus_gemm_us": "<= 5 us decode", "fused_over_deepgemm_then_send": "<= 0.85 prefill",
            "gemm_over_read_floor": "<= 1.30 decode", "promotion_cost": "(measured)",
            "fp8_linked_over_inlined": "<= 1.05", "bf16_linked_over_inlined": "<= 1.05", "fp8_over_bf16": "(measured)",
+           "bf16_linked_outlined_over_inlined": "<= 1.05 (the outline variant)",
            "packed_bm64_over_read_floor": "<= 1.30 decode (the decode variant)",
            "packed_fused_minus_gemm_us": "<= 5 us decode (the decode variant)",
            "masked_deepgemm_over_read_floor": "(DeepGEMM)"}
@@ -458,7 +511,7 @@ def table(out: dict) -> str:
                  f"{r['weights_mb']:.0f} MB of FP8 weights); fused == gated C then p3_scatter_send: "
                  f"{r['fused_equals_gated_then_scatter_send']}; C error on {r['error']['sampled_rows']} sampled rows: "
                  f"max {r['error']['max_err_over_bound']:.3g} of the bound, rel norm {r['error']['rel_norm']:.3g}")
-        for k in ("deepgemm", "no_promote", "torch_scaled_grouped_mm", "skipped"):
+        for k in ("deepgemm", "no_promote", *SHAPE_VARIANTS, "torch_scaled_grouped_mm", "skipped"):
             if k in r:
                 L.append(f"   {k}: {r[k]}")
         if "linked_registers" in r:

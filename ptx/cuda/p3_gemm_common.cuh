@@ -111,9 +111,18 @@ __device__ __forceinline__ Tile grouped_tile(int t, int n_tiles, int n_experts, 
 // the mbarriers full[STAGES], empty[STAGES], staged, freed (OFF_BAR), the send warps'
 // P3SendAcct (OFF_ACCT), the m-tile prefix, MAX_EXPERTS + 1 ints (OFF_MPRE); SMEM bytes in all
 // (sm_90 opt-in: 232448).
-template <int BN_, int BK_, int ELEM_, int STAGES_, int EXTRA_>
+//
+// SEND_WARPS_ 3 and THREADS_ 384 by default; with THREADS_ 512 a fourth warpgroup (warps
+// 12..15) holds send warps 3..SEND_WARPS-1 (send_rank: a warp's rank among the send warps, or -1).
+template <int BN_, int BK_, int ELEM_, int STAGES_, int EXTRA_, int SEND_WARPS_ = 3, int THREADS_ = 384>
 struct GemmLayout {
-    static constexpr int THREADS = 384, SEND_WARPS = 3, MAX_EXPERTS = 128;
+    static constexpr int THREADS = THREADS_, SEND_WARPS = SEND_WARPS_, MAX_EXPERTS = 128;
+    static_assert((THREADS == 384 && SEND_WARPS == 3) || (THREADS == 512 && SEND_WARPS > 3 && SEND_WARPS <= 7),
+                  "send warps: 1..3 of the producer's warpgroup, then warps 12.. of a fourth");
+    static __device__ __forceinline__ int send_rank(int warp)
+    {
+        return warp >= 1 && warp <= 3 ? warp - 1 : (warp >= 12 && warp < 9 + SEND_WARPS ? warp - 9 : -1);
+    }
     static constexpr int BN = BN_, BK = BK_, STAGES = STAGES_;
     static constexpr int KSTEPS = BK * ELEM_ / 32;             // wgmma k-steps (32 bytes of K) per k-block
     static constexpr int A_STAGE = 128 * BK * ELEM_, B_STAGE = BN * BK * ELEM_, STG_PITCH = 2 * BN + 16;
@@ -158,8 +167,8 @@ __device__ __forceinline__ bool gemm_setup(uint32_t base, int tid, const int *of
         mbar_init(freed, L::SEND_WARPS);            // one arrive per send warp
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    if (warp >= 1 && warp <= L::SEND_WARPS) {
-        P3SendAcct *a = reinterpret_cast<P3SendAcct *>(smem + L::OFF_ACCT) + (warp - 1);
+    if (L::THREADS == 384 ? warp >= 1 && warp <= L::SEND_WARPS : L::send_rank(warp) >= 0) {
+        P3SendAcct *a = reinterpret_cast<P3SendAcct *>(smem + L::OFF_ACCT) + (L::THREADS == 384 ? warp - 1 : L::send_rank(warp));
         if (lane == 0) {
             a->expert = -1;
             a->ready = 0;

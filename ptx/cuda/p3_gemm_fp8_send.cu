@@ -30,9 +30,26 @@
 // with the next tile's mainloop. The set-up, the producer's A and B loads and a consumer's
 // wgmmas of a k-block are the shared ones too.
 //
-// Variant for measurement only (-DP3F_NO_PROMOTE, tools/build_gemm_fp8.py --variant): the
-// tensor cores accumulate all of K with the last k-block's scales applied once (wrong unless
-// every scale is equal); the difference in time is the cost of the promotion.
+// Variants for measurement only (tools/build_gemm_fp8.py --variant; the shipped PTX is built
+// with none of these macros):
+// - -DP3F_NO_PROMOTE: the tensor cores accumulate all of K with the last k-block's scales
+//   applied once (wrong unless every scale is equal); the difference in time is the cost of
+//   the promotion.
+// - -DP3F_DUAL: two accumulator sets per consumer warpgroup: k-block kb + 1's wgmmas are issued
+//   into one before k-block kb's are waited for (wgmma.wait_group 1) and promoted from the
+//   other, so a warpgroup's promotion overlaps its own tensor work. 3 x 64 accumulator
+//   registers: setmaxnreg moves registers from warpgroup 0 (the producer and the send warps,
+//   p3_send_rows included) to the consumers (P3F_REGS_PRODUCER / P3F_REGS_CONSUMER).
+// - -DP3F_OUTLINE: the consumer's mainloop in a function of its own (not inlined), for the
+//   linked route: ptxas serialises every wgmma of a function that makes extern calls (C7509:
+//   each wgmma waited for at once), and with -c the kernel's calls of p3_send_rows are extern;
+//   the outlined consumer makes none, so its wgmmas stay asynchronous there. Whole-program
+//   (the loader's inlined module) the call into it serialises them instead (C7510): linked only.
+// - -DP3F_SEND_WG: 512 threads, four more send warps (warps 12..15, a fourth warpgroup: seven in
+//   all), one accumulator set; setmaxnreg: 160 registers for the consumers, 96 for the rest.
+// setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
+// allocated, THREADS x the kernel's register count (384 x 168 = 64,512, not 65,536; 512 x 128),
+// so a split over it never completes (it hung once: static_assert below).
 //
 // The header of ptx/p3_gemm_fp8_send.ptx (its interface) is the block between the two marker
 // lines below: tools/build_gemm_fp8.py copies it verbatim. Every line is a // comment, and
@@ -95,8 +112,30 @@
 // 128 columns per tile and 128 e4m3 per k-block (one scale block each), 5 stages; after the
 // staged tile, the stages of activation scales: (BM + 4) floats, 128-byte aligned, each
 constexpr int SA_STAGE = 640;
+#ifdef P3F_SEND_WG
+using Layout = GemmLayout<128, 128, 1, 5, 5 * SA_STAGE, 7, 512>;
+static_assert(Layout::SMEM == 202612 + 4 * 48, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
+#define P3F_REGS_PRODUCER 96
+#define P3F_REGS_CONSUMER 160
+#else
 using Layout = GemmLayout<128, 128, 1, 5, 5 * SA_STAGE>;
 static_assert(Layout::SMEM == 202612, "the dynamic shared memory of the PTX header's LAUNCH and of GroupedGemmFp8Send");
+#endif
+#if defined(P3F_DUAL) || defined(P3F_SEND_WG)
+#define P3F_SET_REGS
+#ifndef P3F_REGS_PRODUCER
+#define P3F_REGS_PRODUCER 88
+#endif
+#ifndef P3F_REGS_CONSUMER
+#define P3F_REGS_CONSUMER 208
+#endif
+// the registers at entry: 65536 / THREADS rounded down to 8 (what __launch_bounds__(THREADS, 1) caps at)
+constexpr int ENTRY_REGS = 65536 / Layout::THREADS / 8 * 8;
+static_assert((Layout::THREADS / 128 - 2) * 128 * P3F_REGS_PRODUCER + 256 * P3F_REGS_CONSUMER <=
+              Layout::THREADS * ENTRY_REGS, "setmaxnreg: the split must fit the registers the launch allocated");
+static_assert(P3F_REGS_PRODUCER % 8 == 0 && P3F_REGS_CONSUMER % 8 == 0 && P3F_REGS_PRODUCER >= 24 &&
+              P3F_REGS_CONSUMER <= 256, "setmaxnreg: multiples of 8 in 24..256");
+#endif
 
 // D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, e4m3 from shared memory, K-major, 128-byte swizzle.
 template <> __device__ __forceinline__ void wgmma_kstep<128>(float (&d)[64], uint64_t da, uint64_t db, int scale_d)
@@ -122,12 +161,18 @@ template <> __device__ __forceinline__ void wgmma_kstep<64>(float (&d)[32], uint
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
+#ifdef P3F_OUTLINE
+#define P3F_CONSUMER_INLINE __device__ __noinline__
+#else
+#define P3F_CONSUMER_INLINE __device__ __forceinline__
+#endif
+
 // A consumer warpgroup: the mainloop of every tile of this CTA with the promotion, then its
 // sums as bf16 into the staged tile (after the send warps have released the previous one).
 template <int WN>
-__device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane, int total, int kblocks,
-                                         int n_tiles, int n_experts, const int *offs, int bm, const float *sb,
-                                         int n_col_blocks)
+P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int total, int kblocks,
+                                  int n_tiles, int n_experts, const int *offs, int bm, const float *sb,
+                                  int n_col_blocks)
 {
     float acc[WN / 2], sum[WN / 2];
     const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
@@ -211,6 +256,122 @@ __device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane
     }
 }
 
+#ifdef P3F_DUAL
+#define P3F_CONSUMER consumer_dual
+// The weights' scale of the tile for each k-block, read with ld.global.nc two k-blocks ahead.
+struct ScaleB {
+    const float *p;
+    int kblocks;
+    float cur, next;
+    __device__ __forceinline__ ScaleB(const float *sbt, int kb_n)
+        : p(sbt), kblocks(kb_n), cur(__ldg(sbt)), next(kb_n > 1 ? __ldg(sbt + 1) : 0.0f) {}
+    // the scale of k-block kb (called for kb = 0, 1, ... in order)
+    __device__ __forceinline__ float take(int kb)
+    {
+        const float v = cur;
+        cur = next;
+        if (kb + 2 < kblocks)
+            next = __ldg(p + kb + 2);
+        return v;
+    }
+};
+
+// The promotion of k-block kb, whose wgmmas into acc were committed from stage s: waits until
+// at most PENDING wgmma groups of this warpgroup are in flight (the k-block's are then done),
+// reads this thread's rows' activation scales from the stage, releases the stage and adds acc
+// times the scale product to sum (fp32 fma: DeepSeek-V3's promotion every 128 of K).
+template <int PENDING, int WN>
+__device__ __forceinline__ void promote(float (&acc)[WN / 2], float (&sum)[WN / 2], uint32_t base, uint32_t empty,
+                                        uint32_t s, uint32_t sa_row, float sb_k, int lane)
+{
+    // the stage holds the scales of rows from m0 rounded down to 4: see the producer
+    const uint32_t sa_addr = base + Layout::OFF_EXTRA + s * SA_STAGE + sa_row;
+    float sa0, sa1;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(sa0) : "r"(sa_addr) : "memory");
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(sa1) : "r"(sa_addr + 32) : "memory");
+    wgmma_wait<PENDING>();
+    fence_acc(acc);
+    if (lane == 0)
+        mbar_arrive(empty + 8 * s);                 // A, B and the scales of this stage are read
+    const float s0 = sa0 * sb_k, s1 = sa1 * sb_k;
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) {
+        sum[4 * j] = fmaf(acc[4 * j], s0, sum[4 * j]);
+        sum[4 * j + 1] = fmaf(acc[4 * j + 1], s0, sum[4 * j + 1]);
+        sum[4 * j + 2] = fmaf(acc[4 * j + 2], s1, sum[4 * j + 2]);
+        sum[4 * j + 3] = fmaf(acc[4 * j + 3], s1, sum[4 * j + 3]);
+    }
+}
+
+// The consumer of the P3F_DUAL variant: consumer() with two accumulator sets.
+template <int WN>
+__device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int total, int kblocks,
+                                              int n_tiles, int n_experts, const int *offs, int bm, const float *sb,
+                                              int n_col_blocks)
+{
+    float acc[WN / 2], acc2[WN / 2], sum[WN / 2];
+    // the shared window's base and the lane read afresh: passed in, they stay live across the
+    // setmaxnreg branch, and ptxas spilled them there and reloaded them in the mainloop
+    uint32_t base, lane;
+    asm volatile("mov.u32 %0, smem;" : "=r"(base));
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
+    const uint32_t a_off = WN == 128 ? wg * 64 * Layout::BK : 0;  // this warpgroup's rows of an A stage
+    const uint32_t b_off = WN == 128 ? 0 : wg * 64 * Layout::BK;  // this warpgroup's rows of a B stage
+    const int row_off = WN == 128 ? wg * 64 : 0, col_off = WN == 128 ? 0 : wg * 64;
+    const int r0 = row_off + wq * 16 + (lane >> 2);           // this thread's tile rows: r0 and r0 + 8
+    const uint32_t full = base + Layout::OFF_BAR, empty = full + 8 * Layout::STAGES;
+    const uint32_t staged = empty + 8 * Layout::STAGES, freed = staged + 8;
+    const uint32_t stg = base + Layout::OFF_STG + r0 * Layout::STG_PITCH + 2 * col_off + (lane & 3) * 4;
+    uint32_t s = 0, ph = 0, i = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
+        const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
+        ScaleB sbk(sb + ((size_t)T.e * n_col_blocks + T.n0 / Layout::BN) * kblocks, kblocks);
+        const uint32_t sa_row = 4 * (r0 + (T.m0 & 3));
+#pragma unroll
+        for (int j = 0; j < WN / 2; ++j)
+            sum[j] = 0.0f;
+        // k-blocks in pairs, kb in acc and kb + 1 in acc2 (register arrays need constant
+        // indices): the wgmmas of the next k-block are issued before this one is promoted
+        uint32_t s1, ph1;
+        const auto next = [&](uint32_t from, uint32_t from_ph) {
+            s1 = from + 1 == Layout::STAGES ? 0 : from + 1;
+            ph1 = from + 1 == Layout::STAGES ? from_ph ^ 1 : from_ph;
+        };
+        mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);
+        int kb = 0;
+        for (; kb + 2 < kblocks; kb += 2) {
+            next(s, ph);
+            mma_kblock<Layout, WN>(acc2, base, full, s1, ph1, a_off, b_off, 0);
+            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
+            next(s1, ph1);
+            mma_kblock<Layout, WN>(acc, base, full, s1, ph1, a_off, b_off, 0);
+            promote<1, WN>(acc2, sum, base, empty, s1 == 0 ? Layout::STAGES - 1 : s1 - 1, sa_row,
+                           sbk.take(kb + 1), lane);
+            s = s1;
+            ph = ph1;
+        }
+        next(s, ph);
+        if (kb + 1 < kblocks) {                 // two k-blocks left
+            mma_kblock<Layout, WN>(acc2, base, full, s1, ph1, a_off, b_off, 0);
+            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
+            promote<0, WN>(acc2, sum, base, empty, s1, sa_row, sbk.take(kb + 1), lane);
+            next(s1, ph1);
+        } else {
+            promote<0, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
+        }
+        s = s1;
+        ph = ph1;
+        stage_tile<Layout, WN>(sum, stg, staged, freed, i);
+    }
+}
+
+#endif
+
+#ifndef P3F_CONSUMER
+#define P3F_CONSUMER consumer
+#endif
+
 extern "C" __global__ void __launch_bounds__(Layout::THREADS, 1)
 p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, const TmaMap *tmaps,
                  const float *sb, uint8_t *c_ptr, uint64_t c_row_stride, uint32_t n_cols, uint32_t k_dim,
@@ -229,6 +390,41 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
     const int n_tiles = (int)(n_cols / Layout::BN), kblocks = (int)(k_dim / Layout::BK);
     const int total = mpre[n_experts] * n_tiles;
 
+#ifdef P3F_SET_REGS
+    if (Layout::THREADS == 384 ? warp < 4 : warp < 4 || warp >= 12) {  // the producer's warpgroup (and a fourth)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(P3F_REGS_PRODUCER));
+        if (warp == 0) {                            // the producer: one thread issues every copy
+            if (lane == 0) {
+                asm volatile("prefetch.tensormap [%0];" :: "l"((uint64_t)tmap_a) : "memory");
+                asm volatile("prefetch.tensormap [%0];" :: "l"((uint64_t)tmap_b) : "memory");
+                asm volatile("prefetch.tensormap [%0];" :: "l"((uint64_t)tmap_sa) : "memory");
+                // with A and B, the tile's activation scales: their inner coordinate must be 16-byte
+                // aligned (an unaligned one is an illegal instruction), so BM + 4 rows from m0 rounded
+                // down to 4
+                const auto scales = [base, tmap_sa](uint32_t s, uint32_t full_s, const Tile &T, int kb) {
+                    tma_load(base + Layout::OFF_EXTRA + s * SA_STAGE, tmap_sa, full_s, T.m0 & ~3, kb);
+                };
+                produce<Layout>(base, tmap_a, tmap_b, bm * Layout::BK + Layout::B_STAGE + (bm + 4) * 4, total,
+                                n_tiles, n_experts, mpre, offs, (int)bm, n_cols, kblocks, scales);
+            }
+        } else {
+            int64_t n_ranks;                        // cfg.n_ranks, loaded as [cfg+88] (tools/build_gemm_fp8.py names it)
+            asm("ld.param.s64 %0, [p3_gemm_fp8_send_param_0+88];" : "=l"(n_ranks));
+            if (Layout::THREADS == 384 || Layout::send_rank(warp) >= 0)
+                send_warp<Layout>(&cfg, n_ranks, ctx, c_ptr, c_row_stride, base,
+                                  Layout::THREADS == 384 ? warp - 1 : Layout::send_rank(warp), lane, total, n_tiles,
+                                  n_experts, (int)bm, offs);
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(P3F_REGS_CONSUMER));
+        const int wg = warp / 4 - 1, wq = warp % 4;
+        const int ncb = (int)(n_cols / Layout::BN);
+        if (bm == 128)
+            P3F_CONSUMER<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
+        else
+            P3F_CONSUMER<64>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
+    }
+#else
     if (warp == 0) {                                // the producer: one thread issues every copy
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];" :: "l"((uint64_t)tmap_a) : "memory");
@@ -256,4 +452,5 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
         else
             consumer<64>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
     }
+#endif
 }

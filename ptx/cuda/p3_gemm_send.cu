@@ -114,10 +114,20 @@ template <> __device__ __forceinline__ void wgmma_kstep<128>(float (&d)[64], uin
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// Variant for measurement only (tools/build_gemm.py --variant outline; never shipped):
+// -DP3G_OUTLINE keeps the consumer's mainloop in a function of its own for the linked route
+// (compiled apart from p3_send_rows, a function with extern calls has every wgmma waited for:
+// ptxas C7509; the outlined consumer has none). Whole-program it is slower (C7510).
+#ifdef P3G_OUTLINE
+#define P3G_CONSUMER_INLINE __device__ __noinline__
+#else
+#define P3G_CONSUMER_INLINE __device__ __forceinline__
+#endif
+
 // A consumer warpgroup: the mainloop of every tile of this CTA, then its accumulators as
 // bf16 into the staged tile (after the send warps have released the previous one).
 template <int WN>
-__device__ __forceinline__ void consumer(uint32_t base, int wg, int wq, int lane, int total, int kblocks)
+P3G_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int total, int kblocks)
 {
     float acc[WN / 2];
     const uint32_t a_off = WN == 256 ? wg * 64 * 128 : 0;     // this warpgroup's rows of an A stage

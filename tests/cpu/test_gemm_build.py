@@ -208,3 +208,28 @@ def test_rdc_form_links_with_p3_send_rows_through_nvjitlink():
     assert not rep.error, rep.error
     alone = ptxlint.assemble(extern, PTX.name, "sm_90a", options=["-maxrregcount=168"], judge_resources=False)
     assert alone.error and "p3_send_rows" in alone.error, "an unresolved p3_send_rows must fail to link"
+
+
+def _relocatable_log(text: str) -> str:
+    """ptxas -c (separate compilation: what a linker is given) of the extern form of ``text``."""
+    tk = _pinned_toolkit()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptxdoc.set_prototype_linkage(text, "extern"))
+        r = subprocess.run([str(tk.ptxas), "-arch=sm_90a", "-c", "-v", "-maxrregcount=168", str(src), "-o",
+                            str(Path(tmp) / "k.o")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+def test_linked_route_serialises_the_wgmma_unless_the_mainloop_is_outlined(tmp_path):
+    """Linked, the kernel's p3_send_rows calls are extern and ptxas waits for every wgmma of a
+    function that makes extern calls (C7509); the outline variant (the consumers' mainloop in a
+    function of its own) makes none there, so its wgmmas stay asynchronous."""
+    assert "C7509" in _relocatable_log(_text())
+    out = tmp_path / "outline.ptx"
+    r = subprocess.run([sys.executable, str(BUILD), "--variant", "outline", "-o", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = _relocatable_log(out.read_text())
+    assert "C7509" not in log and "C7510" not in log and "C7514" not in log, log

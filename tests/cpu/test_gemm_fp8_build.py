@@ -1,7 +1,8 @@
 """ptx/p3_gemm_fp8_send.ptx and ptx/p3_quant_fp8.ptx on the CPU: the GEMM's PTX is the build of
 its source (tools/build_gemm_fp8.py), its header matches its declaration, the loaded (inlined)
 module assembles for sm_90a without a stack, spills or serialised wgmma, nvcc's -rdc form
-links with ptx/p3_send_rows.ptx through nvJitLink, and its measurement variant builds. The build
+links with ptx/p3_send_rows.ptx through nvJitLink, and its measurement variants build (those with
+setmaxnreg within the registers their launch allocates, assembled without spills or serialised wgmma). The build
 and the assembly use the pinned nvcc (tools/build_gemm.py's ``toolkit()``, the test extra's wheel),
 as tests/cpu/test_gemm_build.py does for the bf16 GEMM, so CI regenerates and compares both."""
 from __future__ import annotations
@@ -93,14 +94,84 @@ def test_inlined_module_has_no_stack_spills_or_serialised_wgmma():
     assert "C7509" not in log and "C7510" not in log and "C7504" not in log, log
 
 
-def test_no_promote_variant_builds(tmp_path):
+def _variant(tmp_path, name: str, *, own_funcs: bool = False) -> str:
+    """The text of measurement variant ``name``, built and linted (``own_funcs``: its outlined
+    functions have no header block of their own, the one problem the linter may report)."""
     _pinned_toolkit()
-    out = tmp_path / "v.ptx"
-    r = subprocess.run([sys.executable, str(TOOL), "--variant", "no_promote", "-o", str(out)], capture_output=True,
+    out = tmp_path / f"{name}.ptx"
+    r = subprocess.run([sys.executable, str(TOOL), "--variant", name, "-o", str(out)], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     text = out.read_text()
-    assert text != PTX.read_text() and not ptxlint.lint(text, PTX.name)
+    problems = ptxlint.lint(text, PTX.name)
+    if own_funcs:
+        problems = [p for p in problems if "header block" not in p]
+    assert text != PTX.read_text() and not problems, problems
+    return text
+
+
+def test_no_promote_variant_builds(tmp_path):
+    _variant(tmp_path, "no_promote")
+
+
+#: the setmaxnreg variants: name -> (threads, registers of the producer's (and a fourth)
+#: warpgroup, of each consumer warpgroup)
+SETMAXNREG = {"dual": (384, 88, 208), "send_wg": (512, 96, 160)}
+
+
+@pytest.mark.parametrize("name", sorted(SETMAXNREG))
+def test_setmaxnreg_variant_fits_the_launch_and_assembles_clean(tmp_path, name):
+    """setmaxnreg.inc waits for registers the CTA's pool lacks: the split must fit what the
+    launch allocated (threads x the entry's register count), else the consumers never start (a
+    split over 65,536 but not over 384 x 168 = 64,512 hung on the GPU)."""
+    text = _variant(tmp_path, name)
+    threads, producer, consumer = SETMAXNREG[name]
+    assert re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32 (\d+);", text) == [str(producer)], name
+    assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+);", text) == [str(consumer)], name
+    assert f".maxntid {threads}, 1, 1" in text
+    entry_regs = 65536 // threads // 8 * 8
+    assert (threads // 128 - 2) * 128 * producer + 2 * 128 * consumer <= threads * entry_regs
+    log = _assemble(text)
+    entry = log[log.index("Function properties for p3_gemm_fp8_send"):]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", entry.splitlines()[1]), log
+    assert int(re.search(r"Used (\d+) registers", entry).group(1)) <= entry_regs
+    assert "C7509" not in log and "C7510" not in log and "C7504" not in log and "C7514" not in log, log
+
+
+def _assemble_relocatable(text: str) -> str:
+    """ptxas -c (separate compilation, what a linker is given) of the -rdc form of ``text``."""
+    try:
+        ptxas = bg.toolkit().ptxas
+    except bg.NvccNotFound:
+        ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas: neither the pinned nvcc wheel's nor one on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptxdoc.set_prototype_linkage(text, "extern"))
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-c", "-v", "-maxrregcount=168", str(src), "-o",
+                            str(Path(tmp) / "k.o")], capture_output=True, text=True, timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log
+    return log
+
+
+def test_linked_route_serialises_the_wgmma_unless_the_mainloop_is_outlined(tmp_path):
+    """Why the linked route is slow (docs/EMBEDDING.md): compiled apart from p3_send_rows, the
+    kernel's calls are extern, and ptxas waits for every wgmma of a function that makes extern
+    calls (C7509). The outline variant keeps the consumers' mainloop in a function of its own,
+    with no extern call: no C7509 (its callee-saved registers go to the stack once per call)."""
+    assert "C7509" in _assemble_relocatable(PTX.read_text())
+    text = _variant(tmp_path, "outline", own_funcs=True)
+    log = _assemble_relocatable(text)
+    assert "C7509" not in log and "C7510" not in log and "C7514" not in log, log
+    missing = ptxlint.nvjitlink_missing()
+    if missing:
+        pytest.skip(missing)
+    rep = ptxlint.assemble(ptxdoc.set_prototype_linkage(text, "extern"), PTX.name, "sm_90a",
+                           deps=[(ROWS.name, ROWS.read_text())], options=["-maxrregcount=168"],
+                           judge_resources=False)
+    assert not rep.error, rep.error                 # and it links with p3_send_rows as the bench links it
 
 
 def test_rdc_form_links_with_p3_send_rows_through_nvjitlink():
