@@ -180,17 +180,20 @@ class TorchCombine(_Base):
     ``gated``: the sends sit in conditional graph nodes whose condition a one-thread
     kernel reads from ``gate`` at every replay (``p3send.cuda.gate``; needs
     libcudadevrt.a, and the op then runs only under graph capture).
+    ``wire``: the row format between the ranks, ``"bf16"`` or ``"fp8"`` (``p3send.abi.wire``;
+    rows and out stay bf16), refused before anything is allocated when it cannot carry H.
     """
 
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  max_rows: int | None = None, device=None, timeout_ms: float = 2000.0, guard: bool = False,
-                 num_sms: int | None = None, gated: bool = False):
+                 num_sms: int | None = None, gated: bool = False, wire="bf16"):
         self.ordinal = device_ordinal(device)
         torch.cuda.init()
         self.dev = driver.device(self.ordinal)
         self._inner = Combine(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                               n_local_experts=n_local_experts, max_rows=max_rows, device=self.dev,
-                              timeout_ms=timeout_ms, guard=guard, stamps=False, num_sms=num_sms, inputs=False)
+                              timeout_ms=timeout_ms, guard=guard, stamps=False, num_sms=num_sms, inputs=False,
+                              wire=wire)
         self.n_ranks, self.top_k, self.hidden, self.n_local = n_ranks, top_k, hidden, n_local_experts
         self.gated = gated
         if gated:
@@ -263,11 +266,11 @@ class TorchRank(_Base):
     (max_rows, 2), topk_idx int32 (T, K), weights f32 (T, K); returns out bf16 (T, H).
     After the op, call ``settle()`` before the next step's sends (the host barrier
     between rounds). Construction is collective. ``exchange``: default a TorchExchange
-    over the default group."""
+    over the default group. ``wire``: the row format, ``"bf16"`` or ``"fp8"``, as ``Rank``'s."""
 
     def __init__(self, exchange=None, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  max_rows: int | None = None, device=None, timeout_ms: float = 2000.0, sync_timeout_s: float = 60.0,
-                 sync_sends: bool | None = None, guard: bool = False):
+                 sync_sends: bool | None = None, guard: bool = False, wire="bf16"):
         from .ops.exchange import TorchExchange
         self.ordinal = device_ordinal(device)
         torch.cuda.init()
@@ -275,7 +278,7 @@ class TorchRank(_Base):
         self._inner = Rank(exchange.rank, exchange.n_ranks, exchange, max_tokens=max_tokens, top_k=top_k,
                            hidden=hidden, n_local_experts=n_local_experts, device=self.ordinal, max_rows=max_rows,
                            timeout_ms=timeout_ms, sync_timeout_s=sync_timeout_s, sync_sends=sync_sends, guard=guard,
-                           inputs=False)
+                           inputs=False, wire=wire)
         self.rank, self.n_ranks = exchange.rank, exchange.n_ranks
         self.top_k, self.hidden, self.n_local = top_k, hidden, n_local_experts
         self._register()

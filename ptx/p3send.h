@@ -132,6 +132,7 @@ static inline P3PeerSendConfig p3_config_disabled(void)
 #define P3_FLAG_SIGNAL 2      /* publish the arrival counts into count_ptrs[p] */
 #define P3_FLAG_SCOPE_GPU 4   /* every receiver on this GPU: .gpu-scope release, not .sys */
 #define P3_FLAG_TILE 8        /* p3_scatter_send: the tile launch (flags bits 16..31: stamp/trace slots) */
+#define P3_FLAG_WIRE_FP8 16   /* quantise the bf16 rows to the FP8 wire on the way out (below) */
 #define P3_SEND_CTX_SIZE 104
 #define P3_SEND_ACCT_SIZE 48
 
@@ -223,6 +224,38 @@ extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3Se
 #define P3_QUANT_FP8_THREADS 256
 #define P3_GEMM_FP8_THREADS 384
 #define P3_GEMM_FP8_SMEM 202612
+
+/* ======================================================================== */
+/* The combine's wire formats (p3send/abi/wire.py; docs/PROTOCOL.md)        */
+/* ======================================================================== */
+/* msg_bytes alone cannot name the format (7,392 B is an FP8 row of 7,168 columns and a
+ * bf16 row of 3,696): a runtime decides the format and derives msg_bytes from hidden.
+ * P3_WIRE_BF16: hidden bf16 values. P3_WIRE_FP8: hidden e4m3 codes, then hidden/128
+ * little-endian float32 scales (scale j for columns 128j..128j+127); hidden a multiple
+ * of 512 so that msg_bytes stays a multiple of 16.
+ * Senders: P3_FLAG_WIRE_FP8 in P3SendCtx.flags (p3_send_rows, so p3_epilogue_send and
+ * the GEMM epilogues) or in the flags of p3_scatter_send_fp8 (p3_scatter_send's parameters;
+ * p3_scatter_send itself refuses the flag: diag[2], nothing written). Receiver: the
+ * entry loaded, P3_RECV_ENTRY_BF16 or P3_RECV_ENTRY_FP8 (the same parameter table; the
+ * FP8 entry reads hidden = 32*msg_bytes/33 columns and writes bf16 [n_tokens, hidden]). */
+#define P3_WIRE_BF16 0
+#define P3_WIRE_FP8 1
+#define P3_WIRE_FP8_BLOCK 128
+#define P3_WIRE_FP8_HIDDEN_MULTIPLE 512
+#define P3_WIRE_BF16_MSG_BYTES(hidden) (2 * (hidden))
+#define P3_WIRE_FP8_MSG_BYTES(hidden) ((hidden) + 4 * ((hidden) / P3_WIRE_FP8_BLOCK))
+#define P3_WIRE_FP8_HIDDEN(msg_bytes) (32 * (msg_bytes) / 33)
+#define P3_RECV_ENTRY_BF16 "p3_recv_reduce"
+#define P3_RECV_ENTRY_FP8 "p3_recv_reduce_fp8"
+
+P3_STATIC_ASSERT((P3_FLAG_WIRE_FP8 & (P3_FLAG_ROW_CACHE | P3_FLAG_SIGNAL | P3_FLAG_SCOPE_GPU | P3_FLAG_TILE)) == 0,
+                 "P3_FLAG_WIRE_FP8 must be a flag bit of its own");
+P3_STATIC_ASSERT(P3_FLAG_WIRE_FP8 < 0x10000, "flags bits 16..31 are p3_scatter_send's stamp/trace slots");
+P3_STATIC_ASSERT(P3_WIRE_FP8_MSG_BYTES(7168) == 7392, "the FP8 row of DeepSeek-V3's hidden size is 7,392 bytes");
+P3_STATIC_ASSERT(P3_WIRE_FP8_MSG_BYTES(P3_WIRE_FP8_HIDDEN_MULTIPLE) % 16 == 0,
+                 "an FP8 row of a multiple of 512 columns is whole 16-byte vectors");
+P3_STATIC_ASSERT(P3_WIRE_FP8_HIDDEN(P3_WIRE_FP8_MSG_BYTES(7168)) == 7168, "P3_WIRE_FP8_HIDDEN inverts the slot size");
+P3_STATIC_ASSERT(P3_WIRE_FP8_BLOCK == P3_FP8_BLOCK, "the wire's scale block is the FP8 GEMM's");
 
 #ifdef __cplusplus
 } /* extern "C" */

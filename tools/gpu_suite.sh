@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tier in one command: PTX check, GPU tests, compute-sanitizer (memcheck and
-# racecheck over tests/gpu/sanitize.py and sanitize_fp8.py), the main job, the benchmarks and the SASS of every kernel. Writes its logs
+# racecheck over tests/gpu/sanitize.py, sanitize_fp8.py and sanitize_wire.py), the main job, the benchmarks and the SASS of every kernel. Writes its logs
 # to LOGDIR (suite.log, bench.json, sass.txt) and prints a summary at the end.
 #
 #   tools/gpu_suite.sh LOGDIR [stage ...]     stages: ptx tests multi sanitize demo bench sass
@@ -56,6 +56,8 @@ if want sanitize; then
   bounded racecheck compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY -m tests.gpu.sanitize
   bounded memcheck_fp8 compute-sanitizer --tool memcheck --error-exitcode 99 $PY -m tests.gpu.sanitize_fp8
   bounded racecheck_fp8 compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY -m tests.gpu.sanitize_fp8
+  bounded memcheck_wire compute-sanitizer --tool memcheck --error-exitcode 99 $PY -m tests.gpu.sanitize_wire
+  bounded racecheck_wire compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY -m tests.gpu.sanitize_wire
 fi
 want multi && stage multi $PY -m pytest tests/multi_gpu -q -rs -p no:cacheprovider --timeout=900
 want demo && bounded demo $PY -m p3send demo

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigError, ConfigIndexError, ConfigTypeError, FieldError
+from .wire import WIRE_FP8, wire_format, wire_problems
 
 P3_MAX_RANKS = 8
 P5_SEND_MBX_INTS = 32
@@ -700,27 +701,32 @@ def is_dangling(addr) -> bool:
 
 
 def validate(cfg: P3PeerSendConfig, *, p3_control: int = 0, row_cache: bool = False,
-             raise_on_error: bool = True) -> list[str]:
+             raise_on_error: bool = True, wire="bf16", hidden=None) -> list[str]:
     """Explain, field by field, what is wrong with ``cfg`` for a launch.
 
     The send is enabled when ``p3_control >= 0`` and ``n_ranks > 0``; only then are its
-    pointers required to be real (not null, not dangling, aligned). Stamps and trace are
-    checked whenever their flags are on.
+    pointers required to be real (not null, not dangling, aligned) and its ``msg_bytes``
+    checked against the wire format. Stamps and trace are checked whenever their flags are on.
 
     Args:
         cfg: the config.
         p3_control: the launch's s32 control word (< 0: the send is gated off).
         row_cache: whether the launch uses ``row_base_ptr`` (a bool).
         raise_on_error: raise the problems (True) or only return them (False).
+        wire: the row format, ``"bf16"`` or ``"fp8"`` (``p3send.abi.wire``).
+        hidden: the row's columns; ``msg_bytes`` must be that format's slot size for it
+            (``wire_problems``). Required with ``wire="fp8"`` (``msg_bytes`` alone cannot
+            name the format); None with bf16: only ``msg_bytes``' own rule is checked.
 
     Returns:
         list[str]: one problem per bad field, each naming it (empty: launchable).
 
     Raises:
-        ConfigTypeError: ``cfg`` is not a P3PeerSendConfig, ``p3_control`` not an
-            integer, ``row_cache`` or ``raise_on_error`` not a bool (always raised).
-        ConfigError: ``p3_control`` outside the s32 range (always raised); the config's
-            problems, all of them, unless ``raise_on_error`` is False.
+        ConfigTypeError: ``cfg`` is not a P3PeerSendConfig, ``p3_control`` or ``hidden``
+            not an integer, ``row_cache`` or ``raise_on_error`` not a bool (always raised).
+        ConfigError: ``p3_control`` outside the s32 range, ``wire`` not a format, no
+            ``hidden`` with ``wire="fp8"`` (always raised); the config's problems, all of
+            them, unless ``raise_on_error`` is False.
     """
     what = "validate argument"
     if not isinstance(cfg, P3PeerSendConfig):
@@ -728,6 +734,12 @@ def validate(cfg: P3PeerSendConfig, *, p3_control: int = 0, row_cache: bool = Fa
     p3_control = checked_int("p3_control", p3_control, "i32", what=what)
     row_cache = checked_flag("row_cache", row_cache, what=what)
     raise_on_error = checked_flag("raise_on_error", raise_on_error, what=what)
+    fmt = wire_format(wire, what=what)
+    if hidden is None and fmt == WIRE_FP8:
+        raise ConfigError(["hidden: expected the row's columns with wire='fp8' (msg_bytes alone cannot name "
+                           "the format), got None"], what)
+    if hidden is not None:
+        hidden = checked_int("hidden", hidden, "i64", what=what)
     p: list[str] = []
     enabled = p3_control >= 0 and cfg.n_ranks > 0
 
@@ -751,6 +763,8 @@ def validate(cfg: P3PeerSendConfig, *, p3_control: int = 0, row_cache: bool = Fa
     if enabled:
         p += [x for x in (msg_bytes_problem(cfg.msg_bytes),
                           cfg.max_tokens_per_rank == 0 and max_tokens_problem(0)) if x]
+        if hidden is not None:
+            p += wire_problems(cfg.msg_bytes, hidden, fmt)
         if not (0 <= cfg.my_rank < cfg.n_ranks):
             p.append(f"my_rank: expected 0..{cfg.n_ranks - 1} (n_ranks={cfg.n_ranks}), got {cfg.my_rank}")
         ptr("atomic_counter", cfg.atomic_counter, 8, "range table, read by the enabled send")

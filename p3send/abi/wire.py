@@ -14,10 +14,12 @@ not match.
   (DeepSeek-V3's 7,168 = 14 x 512 needs none). The values follow the FP8 GEMM's activation
   quantiser (``p3send.oracle.fp8.quantize``: amax clamped at 1e-4, ``scale = amax / 448``).
 
-The kernels learn the format from a flag bit, ``FLAG_WIRE_FP8`` (``P3_FLAG_WIRE_FP8`` in
+The senders learn the format from a flag bit, ``FLAG_WIRE_FP8`` (``P3_FLAG_WIRE_FP8`` in
 ``ptx/p3send.h``), in the ``flags`` word they already take (``P3SendCtx.flags`` and
 ``p3_scatter_send``'s ``flags`` parameter): no parameter is appended, so a C launcher that
-does not set it keeps the bf16 wire.
+does not set it keeps the bf16 wire. The receiver learns it from the entry a launcher
+loads (``RECV_ENTRY``): ``p3_recv_reduce`` (bf16) or ``p3_recv_reduce_fp8`` (the same
+parameters, ``hidden = 32 * msg_bytes / 33``).
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ WIRE_FORMATS = {"bf16": WIRE_BF16, "fp8": WIRE_FP8}
 FLAG_WIRE_FP8 = 16
 FP8_BLOCK = 128
 FP8_HIDDEN_MULTIPLE = 512
+#: The receive kernel of each format (same parameter table; ptx/p3_recv_reduce*.ptx).
+RECV_ENTRY = {WIRE_BF16: "p3_recv_reduce", WIRE_FP8: "p3_recv_reduce_fp8"}
+WIRE_NAMES = {WIRE_BF16: "bf16", WIRE_FP8: "fp8"}
 
 
 def wire_format(value, *, what: str = "argument") -> int:
@@ -64,3 +69,17 @@ def wire_problems(msg_bytes: int, hidden, wire="bf16") -> list[str]:
         name = "bf16" if wire_format(wire) == WIRE_BF16 else "fp8"
         return [f"msg_bytes: expected {want} for {hidden} columns on the {name} wire, got {int(msg_bytes)}"]
     return []
+
+
+def wire_hidden(msg_bytes: int, wire="bf16") -> int:
+    """The columns of a row of ``msg_bytes`` bytes in format ``wire`` (bf16: msg_bytes/2,
+    fp8: 32*msg_bytes/33), or 0 when ``msg_bytes`` is no slot size of that format."""
+    fmt, m = wire_format(wire), int(msg_bytes)
+    if fmt == WIRE_BF16:
+        return m // 2 if m > 0 and m % 16 == 0 else 0
+    return 32 * m // 33 if m > 0 and m % (33 * FP8_HIDDEN_MULTIPLE // 32) == 0 else 0
+
+
+def wire_flags(wire="bf16") -> int:
+    """The sender flag bits of format ``wire``: ``FLAG_WIRE_FP8`` for fp8, else 0."""
+    return FLAG_WIRE_FP8 if wire_format(wire) == WIRE_FP8 else 0

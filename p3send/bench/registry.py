@@ -12,7 +12,7 @@ import numpy as np
 
 from ..abi.errors import ConfigError
 from ..cuda import driver
-from . import decode, dispatch, epilogue, gemm, gemm_fp8, latency, send, two_gpu
+from . import decode, dispatch, epilogue, gemm, gemm_fp8, latency, send, two_gpu, wire
 from .data import torch_or_none
 
 
@@ -36,6 +36,7 @@ REGISTRY = (
     Section("gemm_fp8", gemm_fp8.run, gemm_fp8.table),
     Section("dispatch", dispatch.run, dispatch.table),
     Section("layer", dispatch.run_layer, dispatch.table_layer),
+    Section("wire", wire.run, wire.table),
 )
 
 #: Every section's name, in order: the --only choices.

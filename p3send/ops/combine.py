@@ -10,13 +10,15 @@ between rounds or graph replays.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..abi.config import P3PeerSendConfig, rank_config, shape_problems
-from ..abi.errors import ArrivalTimeout, ConfigError
+from ..abi.errors import ArrivalTimeout, ConfigError, P3SendError
 from ..abi.layout import NOT_ARRIVED, SENTINEL, recv_buf_bytes, recv_counts_len
+from ..abi.wire import WIRE_BF16, WIRE_NAMES, wire_format, wire_msg_bytes
 from ..cuda import driver
 from .args import aligned, array_arg, warn_deprecated
 from .recv import RecvReduce
@@ -51,17 +53,48 @@ class RankBuffers:
 
 
 def rank_buffers(alloc, *, n_ranks: int, n_local: int, max_tokens: int, top_k: int, msg: int, max_rows: int,
-                 guard: int, row_cache: bool, inputs: bool = True) -> RankBuffers:
+                 guard: int, row_cache: bool, inputs: bool = True, row: int | None = None) -> RankBuffers:
     """Allocate one rank's buffers with ``alloc(nbytes, fill=None)`` (the one place their
-    sizes and initial contents are decided, for ``Combine`` and ``Rank`` alike)."""
+    sizes and initial contents are decided, for ``Combine`` and ``Rank`` alike). ``msg``: the
+    slot size; ``row``: the bytes of a bf16 row of C and of the output (2*hidden; default
+    ``msg``, the bf16 wire's)."""
     n_slots, rows, pairs = recv_counts_len(n_local, n_ranks), max(max_rows, 1), max(max_tokens * top_k, 1)
+    row = msg if row is None else row
     mine = alloc if inputs else (lambda n, fill=None: None)
     return RankBuffers(recv=alloc(recv_buf_bytes(max_tokens, top_k, msg) + 2 * guard, SENTINEL),
-                       counts=alloc(8 * n_slots, 0xFF), c=mine(rows * msg),
+                       counts=alloc(8 * n_slots, 0xFF), c=mine(rows * row),
                        expert_offsets=mine(4 * (n_local + 1), 0), range_table=mine(8 * n_slots, 0),
                        src_info=mine(8 * rows, 0xFF),
                        row_base=alloc(8 * rows, 0) if row_cache else None, topk_idx=mine(4 * pairs, 0xFF),
-                       weights=mine(4 * pairs, 0), out=mine(max(max_tokens, 1) * msg, 0))
+                       weights=mine(4 * pairs, 0), out=mine(max(max_tokens, 1) * row, 0))
+
+
+def wire_setup(what: str, wire, hidden) -> tuple[int, int | None, list[str]]:
+    """(format code, msg_bytes or None, problems) of a combine's ``wire`` and ``hidden``: the
+    one place ``Combine``, ``Rank`` and the torch paths turn them into a slot size."""
+    try:
+        fmt = wire_format(wire, what=what)
+    except ConfigError as e:
+        return WIRE_BF16, None, list(e.problems)
+    try:
+        return fmt, wire_msg_bytes(hidden, fmt, what=what), []
+    except ConfigError as e:
+        return fmt, None, list(e.problems)
+
+
+def send_wire_options(sender, fmt: int, hidden: int) -> dict:
+    """The keywords that make ``sender.prepare`` send rows on wire ``fmt`` (none on bf16).
+
+    Raises:
+        P3SendError: the send launcher has no FP8 wire (no ``wire`` keyword).
+    """
+    if fmt == WIRE_BF16:
+        return {}
+    params = inspect.signature(sender.prepare).parameters
+    if "wire" not in params:
+        raise P3SendError(f"{type(sender).__name__}.prepare takes no wire= option: this build's sender cannot "
+                          f"quantise rows to the {WIRE_NAMES[fmt]} wire")
+    return {"wire": WIRE_NAMES[fmt], **({"hidden": hidden} if "hidden" in params else {})}
 
 
 def own_inputs(what: str, bufs) -> None:
@@ -164,14 +197,15 @@ class Combine:
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  max_rows: int | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
                  guard: bool = False, stamps: bool = True, num_sms: int | None = None, row_cache: bool = False,
-                 inputs: bool = True):
+                 inputs: bool = True, wire="bf16"):
         """Allocate every rank's buffers and launchers on ``device``.
 
         Args:
             n_ranks: ranks of the combine, all on this GPU.
             max_tokens: tokens per rank and round, at most.
             top_k: experts per token.
-            hidden: the row width in bf16 elements (msg_bytes = 2*hidden).
+            hidden: the row width in bf16 elements (C and the output; msg_bytes =
+                ``abi.wire.wire_msg_bytes(hidden, wire)``).
             n_local_experts: experts per rank.
             max_rows: rows of each rank's C, at most (default max_tokens * top_k * n_ranks).
             device: the Device (default: ``driver.device()``).
@@ -185,17 +219,22 @@ class Combine:
                 row of C) and send with it.
             inputs: allocate C, the routing inputs, topk_idx/weights and out here (uploaded by
                 ``set_inputs``); False: the caller owns them and attaches them with ``bind``.
+            wire: the row format on the wire, ``"bf16"`` or ``"fp8"`` (``p3send.abi.wire``: the
+                senders quantise C's rows, the receives dequantise).
 
         Raises:
-            ConfigError: every bad size or timeout, named.
+            ConfigError: every bad size, timeout or format, named.
+            P3SendError: ``wire="fp8"`` with a send launcher that cannot quantise.
         """
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
+        fmt, msg, wire_bad = wire_setup("Combine", wire, hidden)
+        problems += [p for p in wire_bad if p.split(":")[0] not in {q.split(":")[0] for q in problems}]
         if problems:
             raise ConfigError(problems, "Combine")
         self.dev = device or driver.device()
         self.n_ranks, self.max_tokens, self.top_k, self.hidden = n_ranks, max_tokens, top_k, hidden
-        self.n_local, self.msg = n_local_experts, 2 * hidden
+        self.n_local, self.msg, self.wire = n_local_experts, msg, fmt
         self.max_rows = max_rows if max_rows is not None else max_tokens * top_k * n_ranks
         self.timeout_ns = int(timeout_ms * 1e6)
         self.guard = GUARD if guard else 0
@@ -208,7 +247,7 @@ class Combine:
             return self._keep(driver.DeviceBuffer(n, fill=fill))
         bufs = [rank_buffers(alloc, n_ranks=n_ranks, n_local=n_local_experts, max_tokens=max_tokens, top_k=top_k,
                              msg=self.msg, max_rows=self.max_rows, guard=self.guard, row_cache=row_cache,
-                             inputs=inputs) for _ in R]
+                             inputs=inputs, row=2 * hidden) for _ in R]
         self.recv_alloc = [b.recv for b in bufs]
         self.counts = [b.counts for b in bufs]
         self.c = [b.c for b in bufs]
@@ -225,7 +264,8 @@ class Combine:
         # docs/PERF.md compares the shares).
         share = num_sms or max(1, min(self.dev.sm_count, 2 * self.dev.sm_count // n_ranks))
         self.senders = [ScatterSend(n_local_experts, device=self.dev, num_sms=share) for _ in R]
-        self.receivers = [RecvReduce(device=self.dev, max_ctas=max(1, 4 * self.dev.sm_count // n_ranks))
+        self.send_wire = send_wire_options(self.senders[0], fmt, hidden)
+        self.receivers = [RecvReduce(device=self.dev, max_ctas=max(1, 4 * self.dev.sm_count // n_ranks), wire=fmt)
                           for _ in R]
         self.send_stamps = [alloc(16 * self.senders[r].grid, 0) if stamps else None for r in R]
         self.recv_stamps = [alloc(32 * self.receivers[r].max_ctas, 0) if stamps else None for r in R]
@@ -387,12 +427,12 @@ class Combine:
         self.receivers[r].block.set(out_ptr=addr)
 
     def _prepare(self, r: int) -> None:
-        self.senders[r].prepare(self.cfgs[r], self.c[r], self.expert_offsets[r],
+        self.senders[r].prepare(self.cfgs[r], self.c[r], self.expert_offsets[r], 2 * self.hidden,
                                 count_ptrs=[self.counts[p] for p in range(self.n_ranks)],
-                                row_cache=self.row_cache, rows_in_c=self.max_rows, same_gpu=True)
+                                row_cache=self.row_cache, rows_in_c=self.max_rows, same_gpu=True, **self.send_wire)
         self.receivers[r].prepare(self.cfgs[r], self.recv_ptr(r), self.counts[r], self.topk_idx[r], self.weights[r],
                                   self.out[r], n_tokens=self.tokens[r], n_experts=self.n_local,
-                                  timeout_ns=self.timeout_ns, stamps=self.recv_stamps[r])
+                                  timeout_ns=self.timeout_ns, stamps=self.recv_stamps[r], hidden=self.hidden)
 
     # ------------------------------------------------------------ the round
     def enqueue(self, skip_send=(), send=True, receive=True, *, stream=None, gate=None) -> None:

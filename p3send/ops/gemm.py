@@ -23,6 +23,7 @@ import numpy as np
 
 from ..abi.config import P3PeerSendConfig, P3SendCtx
 from ..abi.errors import ConfigError, P3SendError
+from ..abi.wire import FP8_HIDDEN_MULTIPLE, WIRE_BF16, WIRE_FP8, wire_format
 from ..cuda import driver, ptxdoc
 from ..cuda.loader import ParamBlock, kernel, link, load, ptx_dir
 from .args import address, aligned, array_layout, contiguous, nbytes, run_once
@@ -281,10 +282,12 @@ class GroupedGemmLauncher(SendLauncher):
         return rows, n_cols, k_dim
 
     def check_send(self, cfg: P3PeerSendConfig, expert_offsets, expert_offsets_host, rows: int, n_cols: int,
-                   count_ptrs, row_cache: bool, p3_control: int, same_gpu: bool, problems: list):
+                   count_ptrs, row_cache: bool, p3_control: int, same_gpu: bool, problems: list, wire="bf16"):
         """Whether the send is on (``p3_control >= 0`` and ``cfg.n_ranks != 0``) and its
         arguments (``send_args``; with the send off, the offsets' checks only: the send's cfg
-        is not read); with it on, ``cfg.msg_bytes`` must be 2*n_cols (bf16 rows).
+        is not read); with it on, ``cfg.msg_bytes`` must be the slot size of an n_cols row on
+        the wire: 2*n_cols (bf16), 33*n_cols/32 (fp8: n_cols a multiple of 512; the flags
+        then carry ``FLAG_WIRE_FP8``, and ``p3_send_rows`` quantises the staged bf16 rows).
 
         Args:
             cfg, expert_offsets, expert_offsets_host, count_ptrs, row_cache, p3_control,
@@ -292,18 +295,28 @@ class GroupedGemmLauncher(SendLauncher):
             rows: rows of the input (the offsets may not reach past it).
             n_cols: N.
             problems: the launch's problems so far; appended to.
+            wire: the rows' format on the wire, ``"bf16"`` or ``"fp8"`` (``abi.wire``).
 
         Returns:
             (send on, the offsets' host values or None, the SendArgs).
+
+        Raises:
+            ConfigError: ``wire`` is no format.
         """
+        fmt = wire_format(wire, what=f"{self.KIND}grouped-GEMM launch")
         send = p3_control >= 0 and cfg.n_ranks != 0
         host = expert_offsets_host if not isinstance(expert_offsets, np.ndarray) else expert_offsets
         if send:
+            fp8 = fmt == WIRE_FP8 and n_cols > 0 and n_cols % FP8_HIDDEN_MULTIPLE == 0
             sargs = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=rows,
                                    count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control,
-                                   same_gpu=same_gpu)
-            if cfg.msg_bytes != 2 * n_cols:
+                                   same_gpu=same_gpu, wire=WIRE_FP8 if fp8 else WIRE_BF16,
+                                   hidden=n_cols if fp8 else None)
+            if fmt == WIRE_BF16 and cfg.msg_bytes != 2 * n_cols:
                 problems.append(f"msg_bytes: expected 2*n_cols = {2 * n_cols} (bf16 rows), got {cfg.msg_bytes}")
+            elif fmt == WIRE_FP8 and not fp8:
+                problems.append(f"n_cols: expected a positive multiple of {FP8_HIDDEN_MULTIPLE} for the fp8 wire "
+                                f"(whole 128-column scale blocks, 16-byte rows), got {n_cols}")
         else:
             sargs = self.send_args(P3PeerSendConfig.disabled(), expert_offsets, host_offsets=expert_offsets_host,
                                    rows_cap=rows, p3_control=-1)
@@ -464,23 +477,27 @@ class GroupedGemmSend(GroupedGemmLauncher):
     device: the Device to launch on, a Hopper GPU (default: ``driver.device()``).
     linked: link the kernel with ``p3_send_rows.ptx`` through the driver's linker
     (docs/EMBEDDING.md (c); real calls, slower) instead of loading one module with the
-    calls inlined (the default). num_sms: the persistent grid (default: every SM)."""
+    calls inlined (the default). num_sms: the persistent grid (default: every SM).
+    variant_ptx: the text of a measurement variant of the kernel (tools/build_gemm.py
+    --variant), loaded (or linked) instead of the shipped one."""
 
     ENTRY, THREADS, SMEM, BN, BK, MAX_EXPERTS = ENTRY, THREADS, SMEM, BN, BK, MAX_EXPERTS
     LINK_MAX_REGISTERS, NEEDS = LINK_MAX_REGISTERS, "wgmma, setmaxnreg"
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, linked: bool = False,
-                 num_sms: int | None = None):
-        super().__init__(n_experts, device=device, linked=linked, num_sms=num_sms)
+                 num_sms: int | None = None, variant_ptx: str | None = None):
+        super().__init__(n_experts, device=device, linked=linked, num_sms=num_sms, variant_ptx=variant_ptx)
 
     def prepare(self, cfg: P3PeerSendConfig, x, w, expert_offsets, c=None, *, rows: int | None = None,
                 n_cols: int | None = None, k_dim: int | None = None, c_row_stride: int | None = None,
                 bm: int | None = None, count_ptrs=None, row_cache: bool = False, p3_control: int = -1,
-                same_gpu: bool = False, expert_offsets_host=None, into: ParamBlock | None = None) -> ParamBlock:
+                same_gpu: bool = False, expert_offsets_host=None, into: ParamBlock | None = None,
+                wire: str = "bf16") -> ParamBlock:
         """Check every argument and fill the parameter block (no launch).
 
         Args:
-            cfg: the sender's config; with the send on, msg_bytes must be 2*n_cols.
+            cfg: the sender's config; with the send on, msg_bytes must be the slot size of an
+                n_cols row on ``wire``: 2*n_cols (bf16), 33*n_cols/32 (fp8).
             x: bf16 (rows, K) row-major, 16-byte aligned (a torch/cupy tensor, a DeviceBuffer
                 or an address; for the last two give ``rows`` and ``k_dim``).
             w: bf16 (E, N, K): each expert's N x K weights, K contiguous (as
@@ -499,6 +516,10 @@ class GroupedGemmSend(GroupedGemmLauncher):
                 own; each block has its own P3SendCtx and tensor maps on the device, so several
                 prepared launches coexist. They are uploaded synchronously: do not prepare a
                 block while its launch is in flight (calling the launcher has no such limit).
+            wire: the rows' format on the wire (``abi.wire``): ``"bf16"`` (the default) or
+                ``"fp8"`` (n_cols a multiple of 512; the launch's flags carry ``FLAG_WIRE_FP8``
+                and ``p3_send_rows`` sends each staged bf16 row as e4m3 codes and block scales).
+                Read only with the send on.
 
         Returns:
             The filled ParamBlock.
@@ -531,7 +552,7 @@ class GroupedGemmSend(GroupedGemmLauncher):
             if nb is not None and nb < need:
                 problems.append(f"{name}: expected at least {need} bytes, got {nb}")
         send, host, sargs = self.check_send(cfg, expert_offsets, expert_offsets_host, rows, n_cols, count_ptrs,
-                                            row_cache, p3_control, same_gpu, problems)
+                                            row_cache, p3_control, same_gpu, problems, wire)
         c_addr, stride = self.check_c(c, c_row_stride, rows, n_cols, send, problems)
         bm = self.tile_rows(bm, host, problems)
         if problems:

@@ -60,7 +60,7 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                 n_cols: int | None = None, k_dim: int | None = None, c_row_stride: int | None = None,
                 bm: int | None = None, count_ptrs=None, row_cache: bool = False, p3_control: int = -1,
                 same_gpu: bool = False, expert_offsets_host=None, expert_align: int = CONTIGUOUS_ALIGN,
-                into: ParamBlock | None = None) -> ParamBlock:
+                into: ParamBlock | None = None, wire: str = "bf16") -> ParamBlock:
         """Check every argument (all problems at once, each naming its argument) and fill the
         parameter block (no launch).
 
@@ -69,7 +69,7 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
 
         Args:
             cfg: the sender's config; read only with the send on, when ``msg_bytes`` must be
-                2*n_cols (bf16 rows).
+                the slot size of an n_cols row on ``wire``: 2*n_cols (bf16), 33*n_cols/32 (fp8).
             a: e4m3 (rows, K) activations (float8_e4m3fn or uint8), unit column stride, rows
                 at a multiple of 16 bytes >= K, 16-byte aligned, covering ``(rows - 1) * row
                 stride + K`` bytes (checked where its size is known: not for an address).
@@ -103,6 +103,10 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                 own; each block has its own P3SendCtx and tensor maps on the device, uploaded
                 synchronously: do not prepare a block while its launch is in flight (calling
                 the launcher has no such limit: ``GroupedGemmLauncher.__call__``).
+            wire: the rows' format on the wire (``abi.wire``): ``"bf16"`` (the default) or
+                ``"fp8"`` (n_cols a multiple of 512; the launch's flags carry ``FLAG_WIRE_FP8``
+                and ``p3_send_rows`` sends each staged bf16 row as e4m3 codes and block scales:
+                the kernel is the same). Read only with the send on.
 
         Returns:
             The filled ParamBlock.
@@ -141,7 +145,7 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
         sba, _ = array_arg(sb, "sb", problems, dtypes=("float32",), ordinal=ordinal, nbytes_min=4 * n_sb)
         aligned("sb", sba, 4, problems)
         send, host, sargs = self.check_send(cfg, expert_offsets, expert_offsets_host, rows, n_cols, count_ptrs,
-                                            row_cache, p3_control, same_gpu, problems)
+                                            row_cache, p3_control, same_gpu, problems, wire)
         if host is not None and expert_align > 1:
             off = np.asarray(host, dtype=np.int64)
             if off.shape == (self.n_experts + 1,):

@@ -43,7 +43,7 @@ from ..abi.layout import recv_buf_bytes
 from ..cuda import driver
 from .args import aligned, array_arg, warn_deprecated
 from .combine import (GUARD, arrival_status, bound_inputs, device_ptr_or_none, own_inputs, rank_buffers,
-                      rank_inputs)
+                      rank_inputs, send_wire_options, wire_setup)
 from .recv import RecvReduce
 from .send import ScatterSend
 
@@ -57,7 +57,7 @@ class Rank:
     """This process's EP rank of an ``n_ranks`` world (one Rank per process).
 
     Buffers (``cuMemAlloc``, so legacy CUDA IPC shares them), shapes as in
-    ``combine.Combine``: recv u8 (max_tokens, top_k, 2*hidden) with ``GUARD`` sentinel
+    ``combine.Combine``: recv u8 (max_tokens, top_k, msg_bytes) with ``GUARD`` sentinel
     bytes on each side when ``guard``, and counts u64 [n_local*n_ranks] (all-ones = not
     arrived) are shared; C bf16 (max_rows, hidden), expert offsets, range table, src_info,
     row cache, topk_idx int32 / weights f32 (tokens, top_k) and out bf16 (tokens, hidden)
@@ -73,15 +73,20 @@ class Rank:
     def __init__(self, rank: int, n_ranks: int, exchange, *, max_tokens: int, top_k: int, hidden: int,
                  n_local_experts: int, device: int | None = None, max_rows: int | None = None,
                  timeout_ms: float = 2000.0, sync_timeout_s: float = 60.0, sync_sends: bool | None = None,
-                 guard: bool = False, row_cache: bool = False, num_sms: int | None = None, inputs: bool = True):
+                 guard: bool = False, row_cache: bool = False, num_sms: int | None = None, inputs: bool = True,
+                 wire="bf16"):
         """n_local_experts: experts per rank; row_cache: give the send a row cache (one u64
         per row of C, ``cfg.row_base_ptr``) and send with it; num_sms: the send's SM budget
         (``ScatterSend.set_num_sms``; default every SM); inputs: allocate C, the routing
         inputs, topk_idx/weights and out here (``set_inputs`` uploads them); False: the
         caller owns them as device arrays and attaches them with ``bind`` (e.g. torch
-        tensors refreshed in place)."""
+        tensors refreshed in place); wire: the row format, ``"bf16"`` or ``"fp8"``
+        (``p3send.abi.wire``), the same on every rank (msg_bytes =
+        ``wire_msg_bytes(hidden, wire)``; C and the output stay bf16 (rows, hidden))."""
         problems = shape_problems(n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
                                   n_local_experts=n_local_experts, timeout_ms=timeout_ms)
+        fmt, msg, wire_bad = wire_setup(f"Rank {rank}", wire, hidden)
+        problems += [p for p in wire_bad if p.split(":")[0] not in {q.split(":")[0] for q in problems}]
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or \
                 not isinstance(n_ranks, (int, np.integer)) or not 0 <= rank < n_ranks:
             problems.append(f"rank: expected an integer 0..n_ranks-1 (n_ranks={n_ranks!r}), got {describe_value(rank)}")
@@ -96,7 +101,7 @@ class Rank:
             raise ConfigError(problems, f"Rank {rank}")
         self.rank, self.n_ranks, self.exchange = rank, n_ranks, exchange
         self.max_tokens, self.top_k, self.hidden, self.n_local = max_tokens, top_k, hidden, n_local_experts
-        self.msg = 2 * hidden
+        self.msg, self.wire = msg, fmt
         self.max_rows = max_rows if max_rows is not None else max_tokens * top_k * n_ranks
         self.timeout_ns = int(timeout_ms * 1e6)
         self.sync_timeout_s = float(sync_timeout_s)
@@ -125,12 +130,13 @@ class Rank:
     def _allocate(self, row_cache: bool, num_sms: int | None, inputs: bool = True) -> None:
         b = rank_buffers(self._alloc, n_ranks=self.n_ranks, n_local=self.n_local, max_tokens=self.max_tokens,
                          top_k=self.top_k, msg=self.msg, max_rows=self.max_rows, guard=self.guard,
-                         row_cache=row_cache, inputs=inputs)
+                         row_cache=row_cache, inputs=inputs, row=2 * self.hidden)
         self.recv, self.counts, self.c = b.recv, b.counts, b.c
         self.expert_offsets, self.range_table, self.src_info = b.expert_offsets, b.range_table, b.src_info
         self.row_base, self.topk_idx, self.weights, self.out = b.row_base, b.topk_idx, b.weights, b.out
         self.sender = ScatterSend(self.n_local, device=self.dev, num_sms=num_sms)
-        self.receiver = RecvReduce(device=self.dev)
+        self.send_wire = send_wire_options(self.sender, self.wire, self.hidden)
+        self.receiver = RecvReduce(device=self.dev, wire=self.wire)
         self.stream = driver.Stream()
         self._events = [driver.Event() for _ in range(4)]   # send start/end, receive start/end
 
@@ -169,7 +175,7 @@ class Rank:
                            row_base=device_ptr_or_none(self.row_base, "row_base"))
 
     def _shape(self) -> tuple:
-        return (self.n_ranks, self.max_tokens, self.top_k, self.hidden, self.n_local, self.max_rows)
+        return (self.n_ranks, self.max_tokens, self.top_k, self.hidden, self.n_local, self.max_rows, self.wire)
 
     def _check_reach(self, p: int, info: dict) -> None:
         """Peer p's GPU must be visible here and reachable by P2P. The mapping itself enables
@@ -277,11 +283,12 @@ class Rank:
         self.receiver.block.set(out_ptr=addr)
 
     def _prepare(self, host_offsets) -> None:
-        self.sender.prepare(self.cfg, self.c, self.expert_offsets, count_ptrs=self.count_ptrs,
+        self.sender.prepare(self.cfg, self.c, self.expert_offsets, 2 * self.hidden, count_ptrs=self.count_ptrs,
                             expert_offsets_host=host_offsets, row_cache=self.row_base is not None,
-                            rows_in_c=self.max_rows)
+                            rows_in_c=self.max_rows, **self.send_wire)
         self.receiver.prepare(self.cfg, self.recv.ptr + self.guard, self.counts, self.topk_idx, self.weights,
-                              self.out, n_tokens=self.tokens, n_experts=self.n_local, timeout_ns=self.timeout_ns)
+                              self.out, n_tokens=self.tokens, n_experts=self.n_local, timeout_ns=self.timeout_ns,
+                              hidden=self.hidden)
 
     def refill_c(self, c) -> None:
         """New C values, same routing (between rounds or graph replays). c: bf16 bits,
@@ -507,7 +514,7 @@ def _world_problems(mine: dict, peers: list, n_ranks: int) -> list[str]:
         if info["rank"] != p:
             problems.append(f"exchange: entry {p} comes from rank {info['rank']}")
         if info["shape"] != mine["shape"]:
-            problems.append(f"rank {p}: shape (n_ranks, max_tokens, top_k, hidden, n_local, max_rows) "
+            problems.append(f"rank {p}: shape (n_ranks, max_tokens, top_k, hidden, n_local, max_rows, wire) "
                             f"{info['shape']} differs from rank {me}'s {mine['shape']}")
         if info["sync_sends"] != mine["sync_sends"]:
             problems.append(f"rank {p}: sync_sends={info['sync_sends']}, rank {me}: {mine['sync_sends']} "

@@ -1,6 +1,7 @@
-"""Launchers of the two send kernels: ``ScatterSend`` (``p3_scatter_send``, a whole
-expert-grouped C) and ``EpilogueSend`` (``p3_epilogue_send``, fp32 tiles converted and sent
-by the linkable ``p3_send_rows``). Both own their sender state and diagnostics."""
+"""Launchers of the send kernels: ``ScatterSend`` (``p3_scatter_send``, a whole
+expert-grouped C; ``p3_scatter_send_fp8`` for the FP8 wire) and ``EpilogueSend``
+(``p3_epilogue_send``, fp32 tiles converted and sent by the linkable ``p3_send_rows``). Both
+own their sender state and diagnostics; both take ``wire="bf16"|"fp8"`` (``p3send.abi.wire``)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,6 +11,7 @@ import numpy as np
 
 from ..abi.config import P3_MAX_RANKS, P3PeerSendConfig, P3SendCtx, validate
 from ..abi.errors import ConfigError, P3SendError
+from ..abi.wire import FLAG_WIRE_FP8, WIRE_FP8, wire_format, wire_problems
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel
 from .args import aligned, array_arg, run_once
@@ -33,7 +35,8 @@ class SendArgs:
 
 def send_args(cfg: P3PeerSendConfig, expert_offsets, *, n_experts: int, ordinal: int | None, host_offsets=None,
               rows_cap: int | None = None, count_ptrs=None, row_cache: bool = False, p3_control: int = 0,
-              same_gpu: bool = False, staging: driver.DeviceBuffer | None = None) -> SendArgs:
+              same_gpu: bool = False, staging: driver.DeviceBuffer | None = None, wire="bf16",
+              hidden: int | None = None) -> SendArgs:
     """The checks and values every send launcher shares (``ScatterSend``, ``EpilogueSend``,
     ``GroupedGemmSend`` and the benchmark's baselines).
 
@@ -48,11 +51,16 @@ def send_args(cfg: P3PeerSendConfig, expert_offsets, *, n_experts: int, ordinal:
         count_ptrs: the receive counts of the p2p ranks (enables ``FLAG_SIGNAL``), or None.
         row_cache, p3_control, same_gpu: as ``ScatterSend.prepare``.
         staging: a device buffer of at least ``4*(n_experts+1)`` bytes for numpy offsets.
+        wire: the row format, ``"bf16"`` or ``"fp8"``: with ``"fp8"`` the flags get
+            ``FLAG_WIRE_FP8`` and ``msg_bytes`` is checked against ``hidden`` (required then).
+        hidden: the row's columns (checked against ``msg_bytes`` when given).
 
     Returns:
         SendArgs; nothing is raised for bad arguments (the caller raises once, with all).
     """
-    problems = validate(cfg, p3_control=p3_control, row_cache=row_cache, raise_on_error=False)
+    fmt = wire_format(wire, what="send launch")
+    problems = validate(cfg, p3_control=p3_control, row_cache=row_cache, raise_on_error=False, wire=fmt,
+                        hidden=hidden)
     n = n_experts
     if isinstance(expert_offsets, np.ndarray):
         host_offsets = expert_offsets
@@ -73,7 +81,7 @@ def send_args(cfg: P3PeerSendConfig, expert_offsets, *, n_experts: int, ordinal:
             problems.append(f"expert_offsets: expected non-decreasing values in 0..2^31-1, got {off.tolist()[:12]}")
         elif rows_cap is not None and off[-1] > rows_cap:
             problems.append(f"expert_offsets: rows up to {int(off[-1])} but the input holds {rows_cap} rows")
-    flags = FLAG_ROW_CACHE if row_cache else 0
+    flags = (FLAG_ROW_CACHE if row_cache else 0) | (FLAG_WIRE_FP8 if fmt == WIRE_FP8 else 0)
     peers = [0] * P3_MAX_RANKS
     if count_ptrs is not None:
         flags |= FLAG_SIGNAL | (FLAG_SCOPE_GPU if same_gpu else 0)
@@ -156,6 +164,10 @@ class ScatterSend(SendLauncher):
     - the persistent launch: ``grid`` CTAs of 1024 threads, one per SM. ``num_sms`` limits
       the send to that many SMs (like DeepEP's ``set_num_sms``); the row cache needs it.
 
+    ``prepare(..., wire="fp8")`` sends bf16 rows of C on the FP8 wire with
+    ``p3_scatter_send_fp8`` (same parameters; ``grid`` CTAs of FP8_THREADS threads, FP8_SMEM
+    bytes of shared memory); ``p3_scatter_send`` itself refuses ``FLAG_WIRE_FP8``.
+
     Args:
         n_experts: the experts of every send (``expert_offsets`` holds n_experts + 1), >= 1.
         device: the Device to launch on (default: ``driver.device()``).
@@ -171,6 +183,10 @@ class ScatterSend(SendLauncher):
     #: the tile launch: CTAs of TILE_THREADS threads, TILE_VECTORS (<= 8) vectors per thread
     TILE_THREADS = 128
     TILE_VECTORS = 8
+    #: the FP8 wire's launch: 20 warps a CTA (96 registers a thread), 8448 bytes of shared
+    #: memory each (its PTX header: two stages, the ctx, the acct, two mbarriers)
+    FP8_THREADS = 640
+    FP8_SMEM = 8448 * FP8_THREADS // 32
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
                  threads: int = THREADS):
@@ -195,6 +211,19 @@ class ScatterSend(SendLauncher):
         driver.set_max_dynamic_smem(self.k.func, max(self.smem, self.SMEM_PER_THREAD * self.THREADS))
         self.set_num_sms(num_sms)
         self.block = self.k.params_block()
+        self.current = self.block        # the block the last prepare filled (launch's default)
+        self.k_fp8 = self.block_fp8 = None
+
+    def fp8_kernel(self):
+        """``p3_scatter_send_fp8``, loaded on first use (its shared memory limit set)."""
+        if self.k_fp8 is None:
+            if self.FP8_SMEM > self.dev.smem_optin:
+                raise P3SendError(f"p3_scatter_send_fp8 needs {self.FP8_SMEM} B of shared memory per block; "
+                                  f"{self.dev.name} allows {self.dev.smem_optin}")
+            self.k_fp8 = kernel("p3_scatter_send_fp8", self.dev)
+            driver.set_max_dynamic_smem(self.k_fp8.func, self.FP8_SMEM)
+            self.block_fp8 = self.k_fp8.params_block()
+        return self.k_fp8
 
     def set_num_sms(self, num_sms: int | None) -> None:
         """Use ``num_sms`` SMs: the persistent launch, one CTA each (a 1024-thread CTA's
@@ -240,7 +269,10 @@ class ScatterSend(SendLauncher):
             stream: a ``driver.Stream``.
             block: a block from ``prepare(..., into=...)``, or None: the launcher's own.
         """
-        blk = block or self.block
+        blk = block or self.current
+        if getattr(blk, "fp8_wire", False):
+            blk.launch((self.grid,), (self.FP8_THREADS,), stream, self.FP8_SMEM)
+            return
         shape = getattr(blk, "launch_shape", None)
         if shape is not None and self.budget:
             flags = blk.get("flags")
@@ -252,14 +284,15 @@ class ScatterSend(SendLauncher):
     def prepare(self, cfg: P3PeerSendConfig, c, expert_offsets, c_row_stride: int | None = None, *,
                 count_ptrs=None, row_cache: bool = False, p3_control: int = 0, same_gpu: bool = False,
                 expert_offsets_host=None, rows_in_c: int | None = None,
-                into: ParamBlock | None = None) -> ParamBlock:
+                into: ParamBlock | None = None, wire="bf16", hidden: int | None = None) -> ParamBlock:
         """Validate every argument and fill the parameter block (no launch).
 
         Args:
             cfg: the sender's P3PeerSendConfig.
             c: C, rows of ``cfg.msg_bytes`` bytes at ``c_row_stride`` (absolute row r at
                 ``c + r*c_row_stride``), 16-byte aligned: a DeviceBuffer, a CAI object, a
-                torch tensor or an address.
+                torch tensor or an address. With ``wire="fp8"``: bf16 rows of ``hidden``
+                columns (``2*hidden`` bytes), quantised on the way out.
             expert_offsets: int32 (n_experts+1,) on the device, or a numpy array (uploaded
                 into the launcher's staging buffer and checked).
             c_row_stride: bytes between rows of C, a multiple of 16 >= msg_bytes (default msg_bytes).
@@ -270,7 +303,12 @@ class ScatterSend(SendLauncher):
             same_gpu: every receiver is on this GPU: the signal uses .gpu-scope release.
             expert_offsets_host: the device offsets' values as numpy, so bounds are checked.
             rows_in_c: rows C holds (default: from C's size when known).
-            into: fill this block (from ``self.k.params_block()``) instead of the launcher's own.
+            into: fill this block (from ``self.k.params_block()``, or ``fp8_kernel().params_block()``
+                with ``wire="fp8"``) instead of the launcher's own.
+            wire: ``"bf16"`` (C's rows are the slots' bytes) or ``"fp8"`` (``p3send.abi.wire``:
+                ``msg_bytes`` must be ``33*hidden/32``, checked before any launch).
+            hidden: the row's columns (default: ``msg_bytes/2`` for bf16, ``32*msg_bytes/33``
+                for fp8).
 
         Returns:
             The filled ParamBlock (``launch`` takes it).
@@ -278,21 +316,37 @@ class ScatterSend(SendLauncher):
         Raises:
             ConfigError: every bad argument, listed, before anything is launched.
         """
-        stride = cfg.msg_bytes if c_row_stride is None else int(c_row_stride)
+        fmt = wire_format(wire, what="scatter-send launch")
+        fp8 = fmt == WIRE_FP8
+        if hidden is None:
+            hidden = cfg.msg_bytes * 32 // 33 if fp8 else cfg.msg_bytes // 2
+        wire_bad = wire_problems(cfg.msg_bytes, hidden, fmt) if fp8 else []
+        row_bytes = 2 * hidden if fp8 else cfg.msg_bytes      # a row of C
+        stride = row_bytes if c_row_stride is None else int(c_row_stride)
         arg_problems = []
         c_addr, nb = array_arg(c, "c", arg_problems, ordinal=self.dev.ordinal, strided_ok=True)
         cap = rows_in_c
         if cap is None and nb is not None and stride:
-            cap = (nb - cfg.msg_bytes) // stride + 1 if nb >= cfg.msg_bytes else 0
+            cap = (nb - row_bytes) // stride + 1 if nb >= row_bytes else 0
         sa = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=cap,
                             count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control, same_gpu=same_gpu)
         problems, offs_addr, peers, flags = sa.problems, sa.expert_offsets, sa.count_ptrs, sa.flags
-        problems += arg_problems
+        problems += arg_problems + [p for p in wire_bad if p not in problems]
         aligned("c", c_addr, 16, problems)
-        if stride % 16 or stride < cfg.msg_bytes:
-            problems.append(f"c_row_stride: expected a multiple of 16 >= msg_bytes ({cfg.msg_bytes}), got {stride}")
+        what = "2*hidden" if fp8 else "msg_bytes"
+        if stride % 16 or stride < row_bytes:
+            problems.append(f"c_row_stride: expected a multiple of 16 >= {what} ({row_bytes}), got {stride}")
         if problems:
             raise ConfigError(problems, "scatter-send launch")
+        if fp8:
+            self.fp8_kernel()
+            blk = (into or self.block_fp8).set(cfg=cfg, count_ptrs=peers, c_ptr=c_addr, c_row_stride=stride,
+                                                expert_offsets=offs_addr, state_ptr=self.state, diag_ptr=self.diag,
+                                                n_experts=self.n_experts, flags=flags | FLAG_WIRE_FP8,
+                                                p3_control=int(p3_control))
+            blk.fp8_wire, blk.launch_shape = True, None
+            self.current = blk
+            return blk
         host = expert_offsets if isinstance(expert_offsets, np.ndarray) else expert_offsets_host
         rows = int(host[-1]) - int(host[0]) if host is not None and len(host) else cap
         shape = self._tile_shape(cfg, rows, cap, row_cache)
@@ -301,7 +355,8 @@ class ScatterSend(SendLauncher):
         blk = (into or self.block).set(cfg=cfg, count_ptrs=peers, c_ptr=c_addr, c_row_stride=stride,
                                        expert_offsets=offs_addr, state_ptr=self.state, diag_ptr=self.diag,
                                        n_experts=self.n_experts, flags=flags, p3_control=int(p3_control))
-        blk.launch_shape = shape
+        blk.launch_shape, blk.fp8_wire = shape, False
+        self.current = blk
         return blk
 
 
@@ -357,17 +412,21 @@ class EpilogueSend(SendLauncher):
 
     def prepare(self, cfg: P3PeerSendConfig, acc, n_cols: int, expert_offsets, *, acc_stride: int | None = None,
                 count_ptrs=None, row_cache: bool = False, p3_control: int = 0, same_gpu: bool = False,
-                expert_offsets_host=None, rows_in_acc: int | None = None) -> ParamBlock:
+                expert_offsets_host=None, rows_in_acc: int | None = None, wire="bf16") -> ParamBlock:
         """Validate every argument and fill the parameter block (no launch).
 
         Args:
-            cfg: the sender's config; msg_bytes must be 2*n_cols (bf16 rows).
+            cfg: the sender's config; msg_bytes must be 2*n_cols (bf16 rows), or 33*n_cols/32
+                with ``wire="fp8"``.
             acc: float32 (rows, >= n_cols) accumulators by absolute row, 16-byte aligned.
             n_cols: the hidden size, a positive multiple of 8.
             expert_offsets: as ``ScatterSend.prepare``.
             acc_stride: bytes between rows of acc (default 4*n_cols).
             count_ptrs, row_cache, p3_control, same_gpu, expert_offsets_host: as ``ScatterSend.prepare``.
             rows_in_acc: rows acc holds (default: from its size when known).
+            wire: ``"bf16"`` or ``"fp8"`` (``p3send.abi.wire``: the bf16-rounded tiles
+                quantised by ``p3_send_rows`` on the way out; n_cols a multiple of 512 and
+                the launcher's ``bn`` of 128).
 
         Returns:
             The filled ParamBlock.
@@ -382,6 +441,7 @@ class EpilogueSend(SendLauncher):
         cap = rows_in_acc
         if cap is None and nb is not None and stride:
             cap = (nb - 4 * n_cols) // stride + 1 if nb >= 4 * n_cols else 0
+        fp8 = wire_format(wire, what="epilogue-send launch") == WIRE_FP8
         sa = self.send_args(cfg, expert_offsets, host_offsets=expert_offsets_host, rows_cap=cap,
                             count_ptrs=count_ptrs, row_cache=row_cache, p3_control=p3_control, same_gpu=same_gpu)
         problems, offs_addr, peers, flags = sa.problems, sa.expert_offsets, sa.count_ptrs, sa.flags
@@ -389,7 +449,12 @@ class EpilogueSend(SendLauncher):
         aligned("acc", acc_addr, 16, problems)
         if n_cols <= 0 or n_cols % 8:
             problems.append(f"n_cols: expected a positive multiple of 8, got {n_cols}")
-        if cfg.msg_bytes != 2 * n_cols:
+        if fp8:
+            flags |= FLAG_WIRE_FP8
+            problems += wire_problems(cfg.msg_bytes, n_cols, WIRE_FP8)
+            if self.bn % 128:
+                problems.append(f"bn: expected a multiple of 128 on the fp8 wire (whole scale blocks), got {self.bn}")
+        elif cfg.msg_bytes != 2 * n_cols:
             problems.append(f"msg_bytes: expected 2*n_cols = {2 * n_cols} (bf16 rows), got {cfg.msg_bytes}")
         if stride % 16 or stride < 4 * n_cols:
             problems.append(f"acc_stride: expected a multiple of 16 >= 4*n_cols ({4 * n_cols}), got {stride}")

@@ -159,6 +159,69 @@ def reduce(recv: np.ndarray, topk_idx, weights, n_experts: int, n_ranks: int, ms
     return (out, bound) if with_bound else out
 
 
+def fma_f32(a, b, c) -> np.ndarray:
+    """``fl32(a * b + c)`` with ONE rounding (the IEEE fma of float32, PTX ``fma.rn.f32``),
+    elementwise. The product of two float32 is exact in float64; the sum is rounded to odd
+    in float64 (TwoSum gives the error; an inexact even result moves one ulp toward it), and
+    rounding that to nearest even float32 is the single correct rounding (53 >= 24 + 2 bits).
+    NaN and infinities propagate as the fma's do."""
+    a64 = np.asarray(a, np.float32).astype(np.float64)
+    b64 = np.asarray(b, np.float32).astype(np.float64)
+    c64 = np.asarray(c, np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = a64 * b64
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)
+        odd = (s.view(np.uint64) & np.uint64(1)) == 1
+        fix = np.isfinite(s) & np.isfinite(err) & (err != 0) & ~odd
+        s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        return s.astype(np.float32)
+
+
+def bf16_slot_values(recv: np.ndarray, n_tokens: int, top_k: int, hidden: int) -> np.ndarray:
+    """float32 (n_tokens, top_k, hidden): the bf16 wire's slot values of a flat uint8
+    receive buffer, as the reduce reads them. (The FP8 wire's: ``oracle.wire.decode`` of the
+    (n_tokens*top_k, msg_bytes) rows, reshaped; this module stays below the FP8 oracle.)"""
+    mb = 2 * hidden
+    rows = np.asarray(recv, np.uint8)[: n_tokens * top_k * mb]
+    return bf16_to_f32(np.ascontiguousarray(rows).view(np.uint16)).reshape(n_tokens, top_k, hidden)
+
+
+def reduce_bits(values: np.ndarray, topk_idx, weights, n_experts: int, n_ranks: int) -> np.ndarray:
+    """The reduce's output BIT FOR BIT, bf16 bits uint16 (n_tokens, hidden), for either wire:
+    per token, ``acc = +0``, then for k = 0 .. 4*ceil(top_k/4)-1 in order ``acc =
+    fma_f32(w, x, acc)`` with (w, x) = (weights[t, k], slot value) for an unmasked slot and
+    (0, 0) for a masked one or k >= top_k (the kernel's k loop is 4 wide; such a term adds
+    +0, which changes no sum: one that starts at +0 is never -0), then one
+    round-to-nearest-even to bf16.
+
+    Args:
+        values: float32 (n_tokens, top_k, hidden), the slot values as the reduce reads them:
+            ``bf16_slot_values`` (bf16 wire) or ``oracle.wire.decode`` of the slots (FP8 wire:
+            e4m3 value times its block's scale, one float32 rounding).
+        topk_idx: int (n_tokens, top_k) global expert ids (masked: < 0 or >= n_experts*n_ranks).
+        weights: float32 (n_tokens, top_k).
+        n_experts, n_ranks: local experts per rank, ranks.
+
+    Every unmasked slot is taken as arrived. NaN outputs are NaN here; their bits are the
+    hardware's (compare NaN as a class)."""
+    g = np.asarray(topk_idx)
+    n_tokens, top_k = g.shape
+    x = np.asarray(values, np.float32)
+    valid = slot_pairs(g, n_experts, n_ranks) >= 0
+    w = np.where(valid, np.asarray(weights, dtype=np.float32), np.float32(0)).astype(np.float32)
+    acc = np.zeros((n_tokens, x.shape[-1]), np.float32)
+    zero = np.zeros_like(acc)
+    for k in range(-(-top_k // 4) * 4):
+        if k < top_k:
+            xk = np.where(valid[:, k, None], x[:, k], np.float32(0))
+            acc = fma_f32(w[:, k, None], xk, acc)
+        else:
+            acc = fma_f32(zero, zero, acc)
+    return f32_to_bf16(acc)
+
+
 def bf16_close(out_bits: np.ndarray, ref64: np.ndarray, top_k: int, absmax: np.ndarray) -> np.ndarray:
     """Boolean mask: each bf16 output within rounding of the float64 reference: half a
     bf16 ulp of the reference plus the fp32 accumulation error bound (top_k * 2^-24 *

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..abi.errors import ConfigError
 from ..abi.wire import WIRE_FP8, wire_msg_bytes
 from . import fp8
 
@@ -18,7 +19,7 @@ def encode(rows_bf16_bits: np.ndarray) -> np.ndarray:
     q, s = fp8.quantize(bits)
     out = np.empty((n, mb), np.uint8)
     out[:, :hidden] = q
-    out[:, hidden:] = np.ascontiguousarray(s, dtype="<f4").view(np.uint8).reshape(n, -1)
+    out[:, hidden:] = np.ascontiguousarray(s, dtype="<f4").view(np.uint8).reshape(n, mb - hidden)
     return out
 
 
@@ -28,7 +29,8 @@ def decode(wire: np.ndarray, hidden: int) -> np.ndarray:
     w = np.asarray(wire, dtype=np.uint8)
     mb = wire_msg_bytes(hidden, WIRE_FP8, what="FP8 wire reference")
     if w.ndim != 2 or w.shape[1] != mb:
-        raise ValueError(f"wire: expected (n, {mb}) bytes for {hidden} columns, got {w.shape}")
+        raise ConfigError([f"wire: expected (n, {mb}) bytes for {hidden} columns, got {w.shape}"],
+                          "FP8 wire reference")
     v = fp8.e4m3_to_f32(w[:, :hidden])
     s = np.ascontiguousarray(w[:, hidden:]).view("<f4").astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
