@@ -29,11 +29,12 @@ from .abi.config import checked_int
 from .abi.errors import ConfigError
 from .cuda import driver
 from .ops.combine import Combine
-from .ops.dispatch import ArrayView, Dispatch, release
+from .ops.dispatch import ArrayView, Dispatch, DispatchRank, DispatchShape, release
 from .ops.gemm import GroupedGemmSend
-from .torch import TorchCombine, device_ordinal, lookup, register, unregister
+from .torch import TorchCombine, TorchRank, device_ordinal, lookup, register, unregister
 
-__all__ = ["softmax_topk", "deepseek_v3_route", "TorchDispatch", "DispatchHandle", "MoELayer", "dispatch"]
+__all__ = ["softmax_topk", "deepseek_v3_route", "TorchDispatch", "TorchDispatchRank", "DispatchHandle", "MoELayer",
+           "dispatch", "rank_dispatch_problems"]
 
 
 # ---------------------------------------------------------------- routers
@@ -75,9 +76,10 @@ def deepseek_v3_route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int = 
 def dispatch(handle: int, x: torch.Tensor, topk_idx: torch.Tensor, scales: torch.Tensor, recv_x: torch.Tensor,
              recv_scales: torch.Tensor, src_info: torch.Tensor, expert_offsets: torch.Tensor,
              range_table: torch.Tensor, expert_counts: torch.Tensor, topk_out: torch.Tensor) -> None:
-    """The dispatch of the ``TorchDispatch`` registered as ``handle`` on the current stream:
-    x (R, T, H), topk_idx (R, T, K) in; the mutated tensors are that object's own outputs."""
-    obj = lookup(handle, TorchDispatch)
+    """The dispatch of the ``TorchDispatch`` (x (R, T, H), topk_idx (R, T, K)) or the
+    ``TorchDispatchRank`` (x (T, H), topk_idx (T, K)) registered as ``handle`` on the current
+    stream; the mutated tensors are that object's own outputs."""
+    obj = lookup(handle, (TorchDispatch, TorchDispatchRank))
     if obj is None:
         raise ConfigError([f"handle: no open p3send dispatch has handle {handle}"], "p3send::dispatch")
     obj.run(x, topk_idx, scales)
@@ -221,6 +223,218 @@ class TorchDispatch:
     def _release(self, during: BaseException | None = None) -> None:
         unregister(self.handle)
         release(([self.tc.close] if self.tc is not None else []) + [self.inner.close], during)
+
+
+# ---------------------------------------------------------------- the dispatch, one process per rank
+
+def rank_dispatch_problems(shape: DispatchShape, ordinal: int, x, topk_idx, topk_weights, scales=None) -> list:
+    """What is wrong with one rank's dispatch inputs, checked on the host before any launch.
+
+    Args:
+        shape: the dispatch's shape (payload, hidden, top_k, max_tokens).
+        ordinal: the CUDA device every tensor must be on.
+        x: bf16 (T, hidden) for the bf16 payload, float8_e4m3fn (T, hidden) for fp8.
+        topk_idx: int32 or int64 (T, top_k), T <= max_tokens.
+        topk_weights: float32 (T, top_k).
+        scales: fp8: float32 (T, hidden/128); bf16: None.
+
+    Returns:
+        One message per problem naming the argument, what was expected and what was given
+        (empty: fine): type, dtype, device, contiguity and shapes (sizes in bytes and
+        alignment ``RankDispatch.bind`` checks when it attaches them).
+    """
+    K, H, fp8 = shape.top_k, shape.hidden, shape.payload == "fp8"
+    want = {"x": torch.float8_e4m3fn if fp8 else torch.bfloat16, "topk_idx": (torch.int32, torch.int64),
+            "topk_weights": torch.float32}
+    given = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights}
+    if fp8:
+        want["scales"], given["scales"] = torch.float32, scales
+    problems = []
+    if not fp8 and scales is not None:
+        problems.append(f"scales: expected None for a bf16 payload, got {type(scales).__name__}")
+    ok = {}
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            continue
+        dts = want[name] if isinstance(want[name], tuple) else (want[name],)
+        if t.dtype not in dts:
+            problems.append(f"{name}: expected dtype {' or '.join(str(d) for d in dts)}, got {t.dtype}")
+        if str(t.device) != f"cuda:{ordinal}":
+            problems.append(f"{name}: expected a tensor on cuda:{ordinal}, got one on {t.device}")
+        elif not t.is_contiguous():
+            problems.append(f"{name}: expected a contiguous tensor, got a non-contiguous one")
+        ok[name] = tuple(t.shape)
+    tk = ok.get("topk_idx")
+    if tk is not None and (len(tk) != 2 or tk[1] != K or tk[0] > shape.max_tokens):
+        problems.append(f"topk_idx: expected shape (T <= {shape.max_tokens}, {K}), got {tk}")
+        tk = None
+    T = tk[0] if tk is not None else "T"
+    for name, w in (("x", (T, H)), ("topk_weights", (T, K)), ("scales", (T, H // 128))):
+        got = ok.get(name)
+        if got is not None and (len(got) != 2 or got[1] != w[1] or (tk is not None and got[0] != T)):
+            problems.append(f"{name}: expected shape ({T}, {w[1]}){' as topk_idx' if tk is not None else ''}, "
+                            f"got {got}")
+    return problems
+
+
+class TorchDispatchRank:
+    """This process's rank of the dispatch and the combine, one process per rank, on torch's
+    current stream: a ``DispatchRank`` (the dispatch's buffers, peers' mapped by CUDA IPC)
+    and a ``TorchRank`` (the combine) over one exchange. Construction is collective (every
+    rank, the same shape). With T tokens on this rank, K = top_k, H = hidden, L =
+    n_local_experts, R ranks, capacity rows (default the worst case):
+
+    ``dispatch(x, topk_idx, topk_weights, scales=None) -> (recv_x, handle)``: x bf16 (T, H)
+    (or float8_e4m3fn (T, H) with ``scales`` f32 (T, H/128) for ``payload="fp8"``), topk_idx
+    int32 or int64 (T, K) global expert ids (-1 masked), topk_weights f32 (T, K) (they stay
+    here: the combine's reduce uses them). recv_x (capacity, H): this rank's rows grouped by
+    its local experts, then source rank, then token; the handle's expert_offsets int32
+    (L+1,), range_table int32 (2LR,), src_info int32 (capacity, 2), expert_counts int32 (L,),
+    recv_scales f32 (capacity, H/128) (fp8), topk_idx int32 (T, K) (the checked one). The same
+    tensors come back every call (the dispatch's own buffers): read them before the next.
+
+    ``combine(y, handle) -> out``: y bf16 (capacity, H) in recv_x's layout (bf16 payload,
+    ``combine=True``); out bf16 (T, H).
+
+    Ranks on different GPUs: both enqueue on the current stream with no host
+    synchronisation (the ops ``torch.ops.p3send.dispatch`` and ``torch.ops.p3send.combine``,
+    capturable by ``torch.cuda.graph``); call ``check()`` on every rank after each step (or
+    replay): it waits for the stream, raises what the device found and is the host barrier
+    before the next step. Ranks sharing a GPU need host barriers inside the step (kernels of
+    different processes time-slice one GPU: ``DispatchRank.step``, ``TorchRank.step``), so
+    there both synchronise, raise what they found at once, and cannot be captured.
+
+    Args:
+        exchange: the host exchange (default a ``TorchExchange`` over the default group).
+        max_tokens, top_k, hidden, n_local_experts, payload, capacity, align, expert_stride,
+            zero_padding, timeout_ms, guard: as ``DispatchRank`` (the combine: max_rows =
+            capacity).
+        device: as ``p3send.torch.device_ordinal`` (default torch's current device).
+        sync_timeout_s: the host syncs' deadline in seconds.
+        combine: build the combine (bf16 payload only).
+    """
+
+    def __init__(self, exchange=None, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
+                 payload: str = "bf16", capacity: int | None = None, align: int = 1, expert_stride: int = 0,
+                 zero_padding: bool | None = None, device=None, timeout_ms: float = 2000.0,
+                 sync_timeout_s: float = 60.0, guard: bool = False, combine: bool = True):
+        from .ops.exchange import TorchExchange
+        self.ordinal = device_ordinal(device)
+        torch.cuda.init()
+        self.dr, self.tr, self.handle, self._key = None, None, None, None
+        exchange = exchange or TorchExchange(timeout_s=sync_timeout_s)
+        self.dr = DispatchRank(exchange.rank, exchange.n_ranks, exchange, max_tokens=max_tokens, top_k=top_k,
+                               hidden=hidden, n_local_experts=n_local_experts, payload=payload, capacity=capacity,
+                               align=align, expert_stride=expert_stride, zero_padding=zero_padding,
+                               device=self.ordinal, timeout_ms=timeout_ms, sync_timeout_s=sync_timeout_s,
+                               guard=guard, inputs=False)
+        self.rank, self.shape = self.dr.rank, self.dr.shape
+        try:
+            self._views()
+            if combine and self.shape.payload == "bf16":
+                sh = self.shape
+                self.tr = TorchRank(exchange, max_tokens=sh.max_tokens, top_k=sh.top_k, hidden=sh.hidden,
+                                    n_local_experts=sh.n_local, max_rows=max(sh.capacity, 1), device=self.ordinal,
+                                    timeout_ms=timeout_ms, sync_timeout_s=sync_timeout_s, guard=guard)
+        except BaseException as e:           # the DispatchRank made above is freed with the failure
+            self._release(during=e)
+            raise
+        self.handle = register(self)
+
+    def _views(self) -> None:
+        sh, rd, o = self.shape, self.dr.rd, self.ordinal
+        cap = max(sh.capacity, 1)
+        self.recv_x = _view(rd.recv_x_view(), o, torch.bfloat16 if sh.payload == "bf16" else torch.float8_e4m3fn)
+        self.recv_scales = _view(ArrayView(rd.ptr("recv_scales"), (cap, sh.s_bytes // 4), np.float32)
+                                 if sh.s_bytes else None, o, torch.float32)
+        h = rd.handle()
+        self.src_info = _view(h["src_info"], o, torch.int32)
+        self.expert_offsets = _view(h["expert_offsets"], o, torch.int32)
+        self.range_table = _view(h["range_table"], o, torch.int32)
+        self.expert_counts = _view(h["expert_counts"], o, torch.int32)
+        self.topk_out = _view(ArrayView(rd.topk_out.ptr, (max(sh.max_tokens, 1), sh.top_k), np.int32), o,
+                              torch.int32)
+        self.no_scales = torch.empty(0, dtype=torch.float32, device=f"cuda:{o}")   # (bf16: no scales; aliases nothing)
+
+    def dispatch(self, x, topk_idx, topk_weights, scales=None):
+        """See the class docstring. Returns (recv_x, DispatchHandle).
+
+        Raises:
+            ConfigError: a wrong dtype, shape or device, named, before any launch (and, where
+                ranks share a GPU, under graph capture); with ranks sharing a GPU, also
+                DispatchError / DispatchTimeout as ``DispatchRank.step``.
+        """
+        problems = rank_dispatch_problems(self.shape, self.ordinal, x, topk_idx, topk_weights, scales)
+        if problems:
+            raise ConfigError(problems, f"rank {self.rank}: p3send::dispatch")
+        torch.ops.p3send.dispatch(self.handle, x, topk_idx, scales if scales is not None else self.no_scales,
+                                  self.recv_x, self.recv_scales, self.src_info, self.expert_offsets, self.range_table,
+                                  self.expert_counts, self.topk_out)
+        return self.recv_x, DispatchHandle(expert_offsets=self.expert_offsets, range_table=self.range_table,
+                                           src_info=self.src_info, expert_counts=self.expert_counts,
+                                           recv_scales=self.recv_scales, topk_idx=self.topk_out[:topk_idx.shape[0]],
+                                           weights=topk_weights)
+
+    def run(self, x, topk_idx, scales) -> None:
+        """The op's body: attach new arrays (host only), then this rank's step on the current
+        stream (with the host barriers where ranks share a GPU)."""
+        if self.dr.sync and torch.cuda.is_current_stream_capturing():
+            raise ConfigError([f"rank {self.rank}: ranks share a GPU, so the dispatch needs host barriers "
+                               "between its launches, which a captured graph cannot hold"], "p3send::dispatch")
+        self.attach(x, topk_idx, scales)
+        stream = torch.cuda.current_stream(self.ordinal)
+        if self.dr.sync:
+            self.dr.step(stream)
+        else:
+            self.dr.enqueue(stream)
+
+    def attach(self, x, topk_idx, scales=None) -> None:
+        """Check and attach the inputs (as ``dispatch``; host only, nothing enqueued): the
+        kernels then read them in place at every call and replay."""
+        key = (x.data_ptr(), topk_idx.data_ptr(), scales.data_ptr() if self.shape.s_bytes else 0, tuple(x.shape),
+               tuple(topk_idx.shape), topk_idx.dtype)
+        if key != self._key:
+            self._key = None
+            self.dr.bind(x=x, topk_idx=topk_idx, scales=scales if self.shape.s_bytes else None)
+            self._key = key
+
+    def combine(self, y, handle: DispatchHandle) -> torch.Tensor:
+        """See the class docstring (``torch.ops.p3send.combine``; ``TorchRank.step`` where
+        ranks share a GPU)."""
+        if self.tr is None:
+            raise ConfigError([f"rank {self.rank}: combine: this TorchDispatchRank has no combine (bf16 payload, "
+                               "combine=True)"], "TorchDispatchRank")
+        args = (y, handle.expert_offsets, handle.range_table, handle.src_info, handle.topk_idx, handle.weights)
+        return self.tr.step(*args) if self.tr.inner.sync_sends else self.tr(*args)
+
+    def check(self, stream=None) -> None:
+        """After a step on every rank (collective): wait for ``stream`` (default the current
+        one), then the dispatch's check and the combine's settle (both tried; the first
+        failure raised after the second): DispatchError / DispatchTimeout, ArrivalTimeout."""
+        driver.as_stream(stream if stream is not None else torch.cuda.current_stream(self.ordinal)).synchronize()
+        release([self.dr.check] + ([self.tr.inner.settle] if self.tr is not None else []))
+
+    def barrier(self) -> None:
+        """A host barrier of the world."""
+        self.dr.barrier()
+
+    def close(self) -> None:
+        """Free the combine's and the dispatch's buffers (collective; the tensors over them
+        then dangle): every step is tried, the first failure raised after the last."""
+        self._release()
+
+    def _release(self, during: BaseException | None = None) -> None:
+        unregister(self.handle)
+        release(([self.tr.close] if self.tr is not None else []) + ([self.dr.close] if self.dr is not None else []),
+                during)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
 
 # ---------------------------------------------------------------- the layer

@@ -127,7 +127,8 @@ static inline P3PeerSendConfig p3_config_disabled(void)
  * MAX's ABI). Layouts as in the header of ptx/p3_send_rows.ptx and p3send/abi/config.py
  * (P3SendCtx, P3_SEND_ACCT_SIZE); docs/EMBEDDING.md shows them in use. */
 
-/* P3SendCtx.flags (the same bits as p3_scatter_send's flags parameter). */
+/* P3SendCtx.flags (the same bits as p3_scatter_send's flags parameter, except P3_FLAG_WIRE_FP8,
+ * which p3_scatter_send refuses: p3_scatter_send_fp8 takes it). */
 #define P3_FLAG_ROW_CACHE 1   /* resolve rows through cfg.row_base_ptr (zeroed per launch) */
 #define P3_FLAG_SIGNAL 2      /* publish the arrival counts into count_ptrs[p] */
 #define P3_FLAG_SCOPE_GPU 4   /* every receiver on this GPU: .gpu-scope release, not .sys */

@@ -11,6 +11,7 @@ and its opening paragraph changed, nothing else, so the two never drift apart
 """
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -54,8 +55,11 @@ def _opening(text: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare with the shipped file instead of writing it")
+    a = ap.parse_args(argv)             # an unknown argument exits 2, never rewrites the file
     want = derive(SOURCE.read_text())
-    if "--check" in argv:
+    if a.check:
         if not TARGET.exists() or TARGET.read_text() != want:
             print(f"{TARGET.name} differs from tools/build_recv_fp8.py's output: run it", file=sys.stderr)
             return 1

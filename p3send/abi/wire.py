@@ -23,6 +23,8 @@ parameters, ``hidden = 32 * msg_bytes / 33``).
 """
 from __future__ import annotations
 
+import numbers
+
 from .errors import ConfigError
 
 WIRE_BF16 = 0
@@ -45,12 +47,20 @@ def wire_format(value, *, what: str = "argument") -> int:
     raise ConfigError([f"wire: expected 'bf16' or 'fp8', got {value!r}"], what)
 
 
+def as_columns(value) -> int | None:
+    """``value`` as a Python int when it is an integer (numpy's included, bool not), else None."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
 def wire_msg_bytes(hidden, wire="bf16", *, what: str = "argument") -> int:
     """The slot size of a row of ``hidden`` columns in format ``wire``; refuses a ``hidden``
     the format cannot carry (bf16: a positive multiple of 8; fp8: of 512)."""
     fmt = wire_format(wire, what=what)
-    if not isinstance(hidden, int) or isinstance(hidden, bool):
+    if as_columns(hidden) is None:
         raise ConfigError([f"hidden: expected an integer, got {type(hidden).__name__}"], what)
+    hidden = as_columns(hidden)
     mult = 8 if fmt == WIRE_BF16 else FP8_HIDDEN_MULTIPLE
     if hidden <= 0 or hidden % mult:
         raise ConfigError([f"hidden: expected a positive multiple of {mult} for the "

@@ -22,7 +22,6 @@ the same on both wires).
 """
 from __future__ import annotations
 
-import inspect
 
 import numpy as np
 
@@ -187,10 +186,6 @@ def prefill_send(ctx) -> dict:
     return res
 
 
-def takes_wire(launcher) -> bool:
-    return "wire" in inspect.signature(launcher.prepare).parameters
-
-
 def fused_gemm(ctx) -> dict:
     """The prefill shape of the ``gemm_fp8`` section: each GEMM gated and fused on each wire."""
     torch, a, dev, rng = ctx.torch, ctx.args, ctx.dev, ctx.rng
@@ -215,9 +210,6 @@ def fused_gemm(ctx) -> dict:
     def buf(x):
         bufs.append(x)
         return x
-    missing = [g.__name__ for g in (GroupedGemmFp8Send, GroupedGemmSend) if not takes_wire(g)]
-    if missing:
-        return {"skipped": f"{', '.join(missing)}.prepare takes no wire= yet"}
     gem8, gem16 = GroupedGemmFp8Send(E, device=dev), GroupedGemmSend(E, device=dev)
     closers += [gem8, gem16]
     try:
@@ -252,9 +244,8 @@ def fused_gemm(ctx) -> dict:
             gated = g.prepare(cfg(2 * N), *args, c, into=g.k.params_block(), **kw)
             fused16 = g.prepare(cfg(2 * N), *args, count_ptrs=cptr, p3_control=0, same_gpu=True,
                                 into=g.k.params_block(), **kw)
-            extra = {"hidden": N} if "hidden" in inspect.signature(g.prepare).parameters else {}   # (n_cols is hidden)
             fused8 = g.prepare(cfg(m8), *args, count_ptrs=cptr, p3_control=0, same_gpu=True, wire="fp8",
-                               into=g.k.params_block(), **extra, **kw)
+                               into=g.k.params_block(), **kw)
             for tag, blk in (("gated", gated), ("fused bf16-wire", fused16), ("fused fp8-wire", fused8)):
                 g.launch(s, blk)
                 fns[f"{label} {tag}"] = lambda i, g=g, b=blk: g.launch(s, b)

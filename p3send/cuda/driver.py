@@ -888,31 +888,11 @@ def nvjitlink_link(inputs, options) -> tuple[str, str]:
     Raises:
         NoDeviceError: nvJitLink is not installed; the message says how to install it.
     """
-    nvjitlink = _nvjitlink()
-    opts = [str(o) for o in options]
-    try:
-        handle = nvjitlink.create(len(opts), opts)
-    except nvjitlink.nvJitLinkError as e:
-        return "", f"nvJitLink refuses {' '.join(opts)}: {e}"
-    try:
-        error = ""
-        try:
-            for name, text in inputs:
-                data = text.encode()
-                nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
-            nvjitlink.complete(handle)
-        except nvjitlink.nvJitLinkError as e:
-            error = str(e)
-        # The logs die with the handle: read them before destroy.
-        info = _nvjitlink_log(nvjitlink, handle, error=False)
-        if error:
-            error = _nvjitlink_log(nvjitlink, handle, error=True) or error
-    finally:
-        nvjitlink.destroy(handle)
+    _, info, error = nvjitlink_image(inputs, options, image=False)
     return info, error
 
 
-def nvjitlink_image(inputs, options, libraries=()) -> tuple[bytes, str, str]:
+def nvjitlink_image(inputs, options, libraries=(), *, image: bool = True) -> tuple[bytes, str, str]:
     """Link PTX and device-code libraries into one cubin with nvJitLink (what the optional
     NVSHMEM transport loads: a sending module, the shim and ``libnvshmem_device.a``).
 
@@ -921,10 +901,11 @@ def nvjitlink_image(inputs, options, libraries=()) -> tuple[bytes, str, str]:
         options: nvJitLink options, e.g. ``["-arch=sm_90"]``.
         libraries: paths of host archives or objects holding relocatable device code (``.a``),
             linked after the PTX.
+        image: return the cubin (False: link for the logs only, the cubin dropped).
 
     Returns:
-        (cubin, info log, error): ``cubin`` is b"" and ``error`` the error log (or the
-        nvJitLink status when that log is empty) when the link fails.
+        (cubin, info log, error): ``cubin`` is b"" when ``image`` is False or the link fails,
+        and ``error`` then the error log (or the nvJitLink status when that log is empty).
 
     Raises:
         NoDeviceError: nvJitLink is not installed; the message says how to install it.
@@ -935,7 +916,7 @@ def nvjitlink_image(inputs, options, libraries=()) -> tuple[bytes, str, str]:
         handle = nvjitlink.create(len(opts), opts)
     except nvjitlink.nvJitLinkError as e:
         return b"", "", f"nvJitLink refuses {' '.join(opts)}: {e}"
-    image, error = b"", ""
+    cubin, error = b"", ""
     try:
         try:
             for name, text in inputs:
@@ -944,9 +925,10 @@ def nvjitlink_image(inputs, options, libraries=()) -> tuple[bytes, str, str]:
             for path in libraries:
                 nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, str(path))
             nvjitlink.complete(handle)
-            buf = bytearray(nvjitlink.get_linked_cubin_size(handle))
-            nvjitlink.get_linked_cubin(handle, buf)
-            image = bytes(buf)
+            if image:
+                buf = bytearray(nvjitlink.get_linked_cubin_size(handle))
+                nvjitlink.get_linked_cubin(handle, buf)
+                cubin = bytes(buf)
         except nvjitlink.nvJitLinkError as e:
             error = str(e)
         # The logs die with the handle: read them before destroy.
@@ -955,7 +937,7 @@ def nvjitlink_image(inputs, options, libraries=()) -> tuple[bytes, str, str]:
             error = _nvjitlink_log(nvjitlink, handle, error=True) or error
     finally:
         nvjitlink.destroy(handle)
-    return image, info, error
+    return cubin, info, error
 
 
 # ---------------------------------------------------------------- NVRTC (CUDA C++ compiled at run time)

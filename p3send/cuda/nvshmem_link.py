@@ -1,5 +1,5 @@
 """The optional NVSHMEM transport's link seam: find the pinned NVSHMEM wheel, and link a
-sending module's PTX with the shim (ptx/p3_nvshmem_shim.ptx) and the wheel's
+sending module's PTX with the shim (ptx/nvshmem/p3_nvshmem_shim.ptx) and the wheel's
 ``libnvshmem_device.a`` into one cubin with nvJitLink (no GPU needed for the link).
 
 The shim was built (tools/build_nvshmem_shim.py) against the headers of exactly

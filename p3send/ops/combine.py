@@ -10,13 +10,12 @@ between rounds or graph replays.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..abi.config import P3PeerSendConfig, rank_config, shape_problems
-from ..abi.errors import ArrivalTimeout, ConfigError, P3SendError
+from ..abi.errors import ArrivalTimeout, ConfigError
 from ..abi.layout import NOT_ARRIVED, SENTINEL, recv_buf_bytes, recv_counts_len
 from ..abi.wire import WIRE_BF16, WIRE_NAMES, wire_format, wire_msg_bytes
 from ..cuda import driver
@@ -82,19 +81,9 @@ def wire_setup(what: str, wire, hidden) -> tuple[int, int | None, list[str]]:
         return fmt, None, list(e.problems)
 
 
-def send_wire_options(sender, fmt: int, hidden: int) -> dict:
-    """The keywords that make ``sender.prepare`` send rows on wire ``fmt`` (none on bf16).
-
-    Raises:
-        P3SendError: the send launcher has no FP8 wire (no ``wire`` keyword).
-    """
-    if fmt == WIRE_BF16:
-        return {}
-    params = inspect.signature(sender.prepare).parameters
-    if "wire" not in params:
-        raise P3SendError(f"{type(sender).__name__}.prepare takes no wire= option: this build's sender cannot "
-                          f"quantise rows to the {WIRE_NAMES[fmt]} wire")
-    return {"wire": WIRE_NAMES[fmt], **({"hidden": hidden} if "hidden" in params else {})}
+def send_wire_options(fmt: int, hidden: int) -> dict:
+    """The keywords that make ``ScatterSend.prepare`` send rows on wire ``fmt`` (none on bf16)."""
+    return {} if fmt == WIRE_BF16 else {"wire": WIRE_NAMES[fmt], "hidden": hidden}
 
 
 def own_inputs(what: str, bufs) -> None:
@@ -264,7 +253,7 @@ class Combine:
         # docs/PERF.md compares the shares).
         share = num_sms or max(1, min(self.dev.sm_count, 2 * self.dev.sm_count // n_ranks))
         self.senders = [ScatterSend(n_local_experts, device=self.dev, num_sms=share) for _ in R]
-        self.send_wire = send_wire_options(self.senders[0], fmt, hidden)
+        self.send_wire = send_wire_options(fmt, hidden)
         self.receivers = [RecvReduce(device=self.dev, max_ctas=max(1, 4 * self.dev.sm_count // n_ranks), wire=fmt)
                           for _ in R]
         self.send_stamps = [alloc(16 * self.senders[r].grid, 0) if stamps else None for r in R]

@@ -101,8 +101,8 @@ class SymmetricBuffer:
     it with puts to (ptr, pe), or with stores to ``world.ptr(ptr, pe)`` where that is not 0."""
 
     def __init__(self, world: NvshmemWorld, nbytes: int, *, fill: int | None = None):
-        if nbytes <= 0:
-            raise ConfigError(f"nbytes: expected > 0, got {nbytes}", "argument")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise ConfigError(f"nbytes: expected an integer > 0, got {nbytes!r}", "argument")
         self.world, self.nbytes = world, int(nbytes)
         world.device.activate()
         self.ptr = int(world.b.malloc(self.nbytes))
@@ -114,9 +114,9 @@ class SymmetricBuffer:
             self.fill(fill)
 
     def _range(self, nbytes: int, offset: int) -> None:
-        if offset < 0 or offset + nbytes > self.nbytes:
-            raise ConfigError(f"{nbytes} bytes at offset {offset} exceed the {self.nbytes}-byte symmetric buffer",
-                              "argument")
+        if nbytes < 0 or offset < 0 or offset + nbytes > self.nbytes:
+            raise ConfigError(f"offset, nbytes: expected a range inside the {self.nbytes}-byte symmetric buffer, "
+                              f"got {nbytes} bytes at offset {offset}", "argument")
         self.world.device.activate()
 
     def fill(self, byte: int, offset: int = 0, nbytes: int | None = None) -> None:
@@ -139,6 +139,8 @@ class SymmetricBuffer:
         dtype = np.dtype(dtype)
         n = self.nbytes - offset if nbytes is None else nbytes
         self._range(n, offset)
+        if n % dtype.itemsize:     # never a silent truncation
+            raise ConfigError(f"nbytes: expected a multiple of {dtype.itemsize} ({dtype}), got {n}", "argument")
         out = np.empty(n // dtype.itemsize, dtype)
         if n:
             driver.call("cuMemcpyDtoH", out.ctypes.data, self.ptr + offset, n)
@@ -228,8 +230,8 @@ class NvshmemWorld:
     def ptr(self, addr: int, pe: int) -> int:
         """``nvshmem_ptr``: the address in this process of symmetric ``addr`` at PE ``pe``, for
         loads and stores, or 0 when ``pe`` is reachable only by puts."""
-        if not (0 <= pe < self.n_ranks):
-            raise ConfigError(f"pe: expected 0..{self.n_ranks - 1}, got {pe}", "argument")
+        if isinstance(pe, bool) or not isinstance(pe, (int, np.integer)) or not (0 <= pe < self.n_ranks):
+            raise ConfigError(f"pe: expected an integer 0..{self.n_ranks - 1}, got {pe!r}", "argument")
         return int(self.b.ptr(int(addr), int(pe)))
 
     def recv_buf_ptrs(self, buf: SymmetricBuffer | int, p2p_world_size: int) -> list[int]:
@@ -240,7 +242,8 @@ class NvshmemWorld:
             ConfigError: p2p_world_size is not 1..8 or does not divide the world; NvshmemError: a
                 rank of the domain is not reachable by stores (nvshmem_ptr gave 0).
         """
-        if not (1 <= p2p_world_size <= P3_MAX_RANKS) or self.n_ranks % p2p_world_size:
+        if isinstance(p2p_world_size, bool) or not isinstance(p2p_world_size, (int, np.integer)) \
+                or not (1 <= p2p_world_size <= P3_MAX_RANKS) or self.n_ranks % p2p_world_size:
             raise ConfigError(f"p2p_world_size: expected 1..{P3_MAX_RANKS} dividing n_ranks = {self.n_ranks}, "
                               f"got {p2p_world_size}", "argument")
         out = [0] * P3_MAX_RANKS

@@ -135,7 +135,7 @@ class Rank:
         self.expert_offsets, self.range_table, self.src_info = b.expert_offsets, b.range_table, b.src_info
         self.row_base, self.topk_idx, self.weights, self.out = b.row_base, b.topk_idx, b.weights, b.out
         self.sender = ScatterSend(self.n_local, device=self.dev, num_sms=num_sms)
-        self.send_wire = send_wire_options(self.sender, self.wire, self.hidden)
+        self.send_wire = send_wire_options(self.wire, self.hidden)
         self.receiver = RecvReduce(device=self.dev, wire=self.wire)
         self.stream = driver.Stream()
         self._events = [driver.Event() for _ in range(4)]   # send start/end, receive start/end

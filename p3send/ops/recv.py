@@ -7,7 +7,7 @@ import numpy as np
 
 from ..abi.config import P3PeerSendConfig, msg_bytes_problem, n_ranks_problem, top_k_problem
 from ..abi.errors import ConfigError
-from ..abi.wire import RECV_ENTRY, WIRE_BF16, WIRE_NAMES, wire_format, wire_problems
+from ..abi.wire import RECV_ENTRY, WIRE_BF16, WIRE_NAMES, as_columns, wire_format, wire_problems
 from ..cuda import driver
 from ..cuda.loader import ParamBlock, kernel
 from .args import aligned, array_arg
@@ -77,7 +77,8 @@ class RecvReduce:
             hidden = 0
         else:
             problems += wire_problems(cfg.msg_bytes, hidden, self.wire)
-            if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
+            hidden = as_columns(hidden)
+            if hidden is None or hidden < 0:
                 hidden = 0          # reported above; the size checks below go on without it
         if not (0 <= n_tokens <= cfg.max_tokens_per_rank):
             problems.append(f"n_tokens: expected 0..max_tokens_per_rank ({cfg.max_tokens_per_rank}), got {n_tokens}")

@@ -318,9 +318,10 @@ class ScatterSend(SendLauncher):
         """
         fmt = wire_format(wire, what="scatter-send launch")
         fp8 = fmt == WIRE_FP8
+        given = hidden is not None          # an explicit hidden is checked on either wire
         if hidden is None:
             hidden = cfg.msg_bytes * 32 // 33 if fp8 else cfg.msg_bytes // 2
-        wire_bad = wire_problems(cfg.msg_bytes, hidden, fmt) if fp8 else []
+        wire_bad = wire_problems(cfg.msg_bytes, hidden, fmt) if fp8 or given else []
         row_bytes = 2 * hidden if fp8 else cfg.msg_bytes      # a row of C
         stride = row_bytes if c_row_stride is None else int(c_row_stride)
         arg_problems = []
@@ -451,7 +452,7 @@ class EpilogueSend(SendLauncher):
             problems.append(f"n_cols: expected a positive multiple of 8, got {n_cols}")
         if fp8:
             flags |= FLAG_WIRE_FP8
-            problems += wire_problems(cfg.msg_bytes, n_cols, WIRE_FP8)
+            problems += [p.replace("hidden:", "n_cols:", 1) for p in wire_problems(cfg.msg_bytes, n_cols, WIRE_FP8)]
             if self.bn % 128:
                 problems.append(f"bn: expected a multiple of 128 on the fp8 wire (whole scale blocks), got {self.bn}")
         elif cfg.msg_bytes != 2 * n_cols:

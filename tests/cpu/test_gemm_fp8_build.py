@@ -67,13 +67,19 @@ def test_header_target_and_lint():
     assert f"dynamic shared memory {gemm_fp8.SMEM} bytes" in text
 
 
-def _assemble(text: str) -> str:
+def _ptxas():
+    """The pinned nvcc wheel's ptxas, else one on PATH; skips (with the reason) without either."""
     try:
-        ptxas = bg.toolkit().ptxas
+        return bg.toolkit().ptxas
     except bg.NvccNotFound:
         ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("no ptxas: neither the pinned nvcc wheel's nor one on PATH")
+    return ptxas
+
+
+def _assemble(text: str) -> str:
+    ptxas = _ptxas()
     whole = ptxdoc.module_text(text, [(ROWS.name, ROWS.read_text())])
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "m.ptx"
@@ -140,12 +146,7 @@ def test_setmaxnreg_variant_fits_the_launch_and_assembles_clean(tmp_path, name):
 
 def _assemble_relocatable(text: str) -> str:
     """ptxas -c (separate compilation, what a linker is given) of the -rdc form of ``text``."""
-    try:
-        ptxas = bg.toolkit().ptxas
-    except bg.NvccNotFound:
-        ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        pytest.skip("no ptxas: neither the pinned nvcc wheel's nor one on PATH")
+    ptxas = _ptxas()
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptxdoc.set_prototype_linkage(text, "extern"))

@@ -12,8 +12,10 @@ import importlib.metadata
 import re
 import shutil
 import sys
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from p3send.abi.errors import ConfigError, P3SendError
@@ -229,7 +231,37 @@ def test_a_domain_peer_that_stores_cannot_reach_is_named():
     assert w.recv_buf_ptrs(0x7F00_0000_0000, 1)[0]   # alone in its domain, rank 1 needs only itself
 
 
-@pytest.mark.parametrize("p2p", [0, 3, 9])
+@pytest.mark.parametrize("p2p", [0, 3, 9, 2.0, True])
 def test_a_p2p_world_size_that_does_not_split_the_world_is_refused(p2p):
     with pytest.raises(ConfigError, match=rf"p2p_world_size: expected 1\.\.8 dividing n_ranks = 8, got {p2p}"):
         _world(0, 8).recv_buf_ptrs(0x7F00_0000_0000, p2p)
+
+
+@pytest.mark.parametrize("pe", [-1, 4, 1.0, True])
+def test_a_pe_outside_the_world_is_refused_by_name(pe):
+    with pytest.raises(ConfigError, match=r"pe: expected an integer 0\.\.3, got "):
+        _world(0, 4).ptr(0x7F00_0000_0000, pe)
+
+
+def _symmetric(nbytes):
+    buf = object.__new__(nvshmem.SymmetricBuffer)
+    buf.nbytes, buf.ptr = nbytes, 0x7F00_0000_0000
+    buf.world = types.SimpleNamespace(device=types.SimpleNamespace(activate=lambda: None))
+    return buf
+
+
+@pytest.mark.parametrize("offset, nbytes", [(0, 65), (64, 1), (-1, 4), (8, -8)])
+def test_a_range_outside_a_symmetric_buffer_is_refused_before_any_copy(offset, nbytes):
+    with pytest.raises(ConfigError, match=r"offset, nbytes: expected a range inside the 64-byte symmetric buffer"):
+        _symmetric(64).download(offset=offset, nbytes=nbytes)
+
+
+def test_a_download_that_is_no_whole_number_of_elements_is_refused():
+    with pytest.raises(ConfigError, match=r"nbytes: expected a multiple of 8 \(uint64\), got 12"):
+        _symmetric(64).download(np.uint64, nbytes=12)
+
+
+@pytest.mark.parametrize("nbytes", [0, -4, 1.5, True])
+def test_a_symmetric_buffer_of_no_bytes_is_refused_before_the_heap(nbytes):
+    with pytest.raises(ConfigError, match=r"nbytes: expected an integer > 0"):
+        nvshmem.SymmetricBuffer(None, nbytes)

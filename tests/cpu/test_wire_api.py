@@ -17,7 +17,7 @@ import pytest
 
 from p3send.abi import wire
 from p3send.abi.config import rank_config, validate
-from p3send.abi.errors import ConfigError, ConfigTypeError, P3SendError
+from p3send.abi.errors import ConfigError, ConfigTypeError
 from p3send.ops import combine as combine_mod
 from p3send.ops import recv as recv_mod
 from p3send.oracle import reference as ref
@@ -223,13 +223,32 @@ def test_combine_on_the_fp8_wire_sizes_slots_rows_and_entries(fake):
     assert not launches(fake)
 
 
-def test_a_sender_without_the_fp8_wire_is_refused_by_name():
-    class OldSender:
-        def prepare(self, cfg, c, expert_offsets, c_row_stride=None, *, count_ptrs=None):
-            pass
-    assert combine_mod.send_wire_options(OldSender(), wire.WIRE_BF16, 512) == {}
-    with pytest.raises(P3SendError, match=r"OldSender.prepare takes no wire= option"):
-        combine_mod.send_wire_options(OldSender(), wire.WIRE_FP8, 512)
+def test_the_combine_asks_its_senders_for_the_format_by_keyword():
+    assert combine_mod.send_wire_options(wire.WIRE_BF16, 512) == {}
+    assert combine_mod.send_wire_options(wire.WIRE_FP8, 512) == {"wire": "fp8", "hidden": 512}
+
+
+def test_the_scatter_send_checks_an_explicit_hidden_on_either_wire(fake):
+    from p3send.ops.send import ScatterSend
+    s = ScatterSend(2, device=DEV)
+    cfg = rank_config(n_ranks=2, top_k=8, msg_bytes=1024, max_tokens=16)
+    c, offs = FakeBuffer(1 << 16), FakeBuffer(12)
+    s.prepare(cfg, c, offs, p3_control=-1, expert_offsets_host=np.array([0, 1, 2]), hidden=512)
+    with pytest.raises(ConfigError, match=r"msg_bytes: expected 14336 for 7168 columns on the bf16 wire, got 1024"):
+        s.prepare(cfg, c, offs, p3_control=-1, expert_offsets_host=np.array([0, 1, 2]), hidden=7168)
+    assert not launches(fake)
+
+
+@pytest.mark.parametrize("hidden", [np.int64(7168), np.int32(7168), np.uint16(7168)])
+def test_numpy_integers_are_columns(hidden):
+    assert wire.wire_msg_bytes(hidden, "fp8") == 7392 and wire.wire_problems(7392, hidden, "fp8") == []
+
+
+def test_the_fp8_receive_takes_a_numpy_hidden(fake):
+    rv = recv_mod.RecvReduce(device=DEV, wire="fp8")
+    cfg, (recv, counts, topk, w, out) = recv_args(7392, out_cols=7168)
+    rv.prepare(cfg, recv, counts, topk, w, out, n_tokens=16, n_experts=4, timeout_ns=1, hidden=np.int64(7168))
+    assert rv.grid == 16 * 28 // 8 and not launches(fake)
 
 
 # ---------------------------------------------------------------- the reduce reference

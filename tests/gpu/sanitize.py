@@ -22,7 +22,7 @@ from p3send.oracle.cases import (
 )
 from tests.gpu.conftest import assert_send_exact, run_send
 from tests.gpu.gemm_common import gated_then_fused
-from tests.gpu.test_gemm import GemmProblem, _check_c
+from tests.gpu.test_gemm import GemmProblem, check_c
 
 
 def main() -> int:
@@ -82,7 +82,7 @@ def main() -> int:
     # byte-exact to the oracle of that C, for a few edge families and both tile heights
     for i, (family, bm) in enumerate((("masked_experts", 128), ("skewed", 64), ("modulo", 128))):
         prob = GemmProblem(family, 4242 + i, n_cols=256, k_dim=128)
-        gated_then_fused(dev, prob, bm, _check_c)
+        gated_then_fused(dev, prob, bm, check_c)
         print("gemm ok", prob.case, f"bm={bm}", flush=True)
     print("sanitize cases: all results correct")
     return 0

@@ -13,7 +13,7 @@ import numpy as np
 
 from p3send.oracle import fp8
 from tests.gpu.gemm_common import gated_then_fused
-from tests.gpu.test_gemm_fp8 import Fp8Problem, _check_c, edge_rows, run_quant
+from tests.gpu.test_gemm_fp8 import Fp8Problem, check_c, edge_rows, run_quant
 
 
 def main() -> int:
@@ -26,7 +26,7 @@ def main() -> int:
     print("quant ok", flush=True)
     for i, (family, bm, align) in enumerate((("masked_experts", 128, 128), ("skewed", 64, 1))):
         prob = Fp8Problem(family, 4242 + i, n_cols=128, k_dim=256, align=align)
-        gated_then_fused(dev, prob, bm, _check_c)
+        gated_then_fused(dev, prob, bm, check_c)
         print("gemm fp8 ok", prob.case, f"bm={bm}", flush=True)
     print("sanitize fp8 cases: all results correct")
     return 0

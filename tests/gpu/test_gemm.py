@@ -80,7 +80,7 @@ class GemmProblem:
         return ref, ulp + self.k_dim * 2.0 ** -23 * mag
 
 
-def _check_c(prob: GemmProblem, got: np.ndarray) -> None:
+def check_c(prob: GemmProblem, got: np.ndarray) -> None:
     case = prob.case
     ref, bound = prob.reference()
     c, inside, err = c_error(prob, got, ref)
@@ -100,7 +100,7 @@ def test_fused_equals_gated_then_scatter_send(hopper, family):
     if prob.case.n_experts > 128:
         pytest.skip("more than 128 experts")
     c = _gated(hopper, prob, bm)
-    _check_c(prob, c)
+    check_c(prob, c)
     assert_fused_equals_gated_then_scatter_send(hopper, prob, c, bm, rng)
 
 
@@ -115,21 +115,21 @@ def test_tile_edges(hopper, rows_per_expert, bm):
     prob.x = f32_to_bf16(rng2.standard_normal((rows, prob.k_dim)).astype(np.float32))
     prob.w = f32_to_bf16((rng2.standard_normal((len(rows_per_expert), prob.n_cols, prob.k_dim)) / 8).astype(np.float32))
     prob.rows = rows
-    gated_then_fused(hopper, prob, bm, _check_c)
+    gated_then_fused(hopper, prob, bm, check_c)
 
 
 def test_linked_route_is_byte_exact(hopper):
     """docs/EMBEDDING.md (c): the PTX linked with p3_send_rows.ptx by cuLink, not inlined."""
     seed = fresh_seed("gemm linked")
     prob = GemmProblem("masked_experts", seed, n_cols=256, k_dim=128)
-    assert_linked_route_is_byte_exact(hopper, prob, 64, _check_c)
+    assert_linked_route_is_byte_exact(hopper, prob, 64, check_c)
 
 
 def test_send_off_writes_c_only(hopper):
     """p3_control < 0: C is written and no receive byte or count changes (MAX's gate)."""
     seed = fresh_seed("gemm gate")
     prob = GemmProblem("random", seed, n_cols=256, k_dim=64)
-    assert_send_off_writes_c_only(hopper, prob, _check_c)
+    assert_send_off_writes_c_only(hopper, prob, check_c)
 
 
 def test_bad_arguments_are_refused_before_launch(hopper):

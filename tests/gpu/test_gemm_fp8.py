@@ -174,7 +174,7 @@ class Fp8Problem:
           k_dim=self.k_dim, c_row_stride=self.stride, expert_align=self.align, **kw)
 
 
-def _check_c(prob: Fp8Problem, got: np.ndarray) -> dict:
+def check_c(prob: Fp8Problem, got: np.ndarray) -> dict:
     """C within the derived bound of the float64 result, untouched outside; returns the
     observed error as fractions of the bound and the relative norm."""
     case = prob.case
@@ -200,7 +200,7 @@ def test_fused_equals_gated_then_scatter_send(hopper, family, align):
     prob = Fp8Problem(family, seed, n_cols=128 * int(rng.integers(1, 4)), k_dim=128 * int(rng.integers(1, 4)),
                       align=align)
     c = _gated(hopper, prob, bm)
-    err = _check_c(prob, c)
+    err = check_c(prob, c)
     print(f"[fp8 error] {family} align={align} bm={bm}: {err}")
     assert_fused_equals_gated_then_scatter_send(hopper, prob, c, bm, rng)
 
@@ -215,7 +215,7 @@ def test_tile_edges(hopper, rows_per_expert, bm):
     _, prob.qa, prob.sa, prob.qb, prob.sb = fp8.random_fp8_problem(np.random.default_rng(seed + 1), rows,
                                                                     len(rows_per_expert), prob.n_cols, prob.k_dim)
     prob.rows = rows
-    gated_then_fused(hopper, prob, bm, _check_c)
+    gated_then_fused(hopper, prob, bm, check_c)
 
 
 def test_quantiser_feeds_the_gemm(hopper):
@@ -246,21 +246,21 @@ def test_quantiser_feeds_the_gemm(hopper):
     prob.qa, prob.sa, prob.qb, prob.sb, prob.n_cols = qa, sa_ref, qb, sb, n
     prob.case = send_case("random", seed)
     prob.case.expert_offsets = off
-    _check_c(prob, got)
+    check_c(prob, got)
 
 
 def test_linked_route_is_byte_exact(hopper):
     """docs/EMBEDDING.md (c): the PTX linked with p3_send_rows.ptx by cuLink, not inlined."""
     seed = fresh_seed("gemm fp8 linked")
     prob = Fp8Problem("masked_experts", seed, n_cols=256, k_dim=256, align=128)
-    assert_linked_route_is_byte_exact(hopper, prob, 128, _check_c)
+    assert_linked_route_is_byte_exact(hopper, prob, 128, check_c)
 
 
 def test_send_off_writes_c_only(hopper):
     """p3_control < 0: C is written and no receive byte or count changes (MAX's gate)."""
     seed = fresh_seed("gemm fp8 gate")
     prob = Fp8Problem("random", seed, n_cols=128, k_dim=128)
-    assert_send_off_writes_c_only(hopper, prob, _check_c)
+    assert_send_off_writes_c_only(hopper, prob, check_c)
 
 
 def test_bad_arguments_are_refused_before_launch(hopper):

@@ -12,7 +12,7 @@ from p3send.abi.errors import ConfigError
 from p3send.oracle import fp8
 
 from .conftest import assert_send_exact, fresh_seed, run_send
-from .test_gemm_fp8 import Fp8Problem, _check_c, _gated, edge_rows
+from .test_gemm_fp8 import Fp8Problem, check_c, _gated, edge_rows
 
 torch = pytest.importorskip("torch")
 
@@ -66,7 +66,7 @@ def test_gemm_fp8_op_equals_the_launcher(ops, dev):
     got = ref.copy()
     got[inside, :2 * prob.n_cols] = c.view(torch.uint8).cpu().numpy()[inside]
     assert np.array_equal(got, ref), "torch.ops.p3send.gemm_fp8 differs from GroupedGemmFp8Send"
-    _check_c(prob, got)
+    check_c(prob, got)
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         fake = [torch.empty(tuple(t.shape), dtype=t.dtype, device="cuda") for t in (a, s, b, sb, off)]
@@ -104,7 +104,7 @@ def test_gemm_fp8_send_op_matches_the_oracle(ops, dev):
     seed = fresh_seed("torch gemm_fp8_send")
     prob = Fp8Problem("skewed", seed, n_cols=128, k_dim=256, align=1)
     c = _gated(dev, prob, 64)     # the launcher's C at the op's tile height: the oracle sends it
-    _check_c(prob, c)             # checked against the float64 reference first
+    check_c(prob, c)             # checked against the float64 reference first
     prob.case.c = c
     assert_send_exact(run_send(dev, prob.case, sender_factory=lambda case: TorchSender(ops, prob)))
 

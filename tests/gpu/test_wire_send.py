@@ -128,7 +128,8 @@ def test_scatter_fp8_gated_writes_nothing(dev):
 def _raw_launch(dev, case, cfg_msg, entry_flags, entry="p3_scatter_send_fp8"):
     """Launch an entry with p3_scatter_send's parameters directly (no host check); returns
     (receive buffer bytes, diag)."""
-    rbytes = case.max_tokens_per_rank * case.top_k * case.msg_bytes
+    # sized for the larger of the two slot sizes: a kernel that failed to refuse stays in the buffer
+    rbytes = case.max_tokens_per_rank * case.top_k * max(cfg_msg, case.msg_bytes)
     recv = driver.DeviceBuffer(rbytes + 2 * GUARD, fill=0xAB)
     c = driver.DeviceBuffer.from_array(np.ascontiguousarray(case.c_bf16))
     rtab = driver.DeviceBuffer.from_array(case.range_table.astype(np.int32))
@@ -181,10 +182,12 @@ def test_launchers_refuse_a_wrong_msg_bytes_before_launch(dev):
                     s.prepare(cfg, c, case.expert_offsets.astype(np.int32), wire="fp8", hidden=1024)
                 e = EpilogueSend(case.n_experts, device=dev, bn=512)
                 acc = driver.DeviceBuffer(4 * 1024 * max(case.c_bf16.shape[0], 1))
-                with pytest.raises(ConfigError, match="msg_bytes"):
-                    e.prepare(cfg, acc, 1024, case.expert_offsets.astype(np.int32), wire="fp8")
-                e.close()
-                acc.free()
+                try:
+                    with pytest.raises(ConfigError, match="msg_bytes"):
+                        e.prepare(cfg, acc, 1024, case.expert_offsets.astype(np.int32), wire="fp8")
+                finally:
+                    e.close()
+                    acc.free()
             finally:
                 s.close()
                 c.free()
@@ -332,11 +335,13 @@ class WireFusedSender:
             b.free()
 
 
-def _gemm_wire_exact(dev, prob, bm: int) -> None:
-    """The fused GEMM on the FP8 wire sends oracle.wire.encode of the gated GEMM's bf16 C
-    (exact: the GEMM stages C as bf16 and the send quantises that tile)."""
+def _gemm_wire_exact(dev, prob, bm: int, check_c) -> None:
+    """The gated GEMM's bf16 C passes ``check_c`` (within its bound of the numpy reference), and
+    the fused GEMM on the FP8 wire sends oracle.wire.encode of that C (exact: the GEMM stages C
+    as bf16 and the send quantises that tile)."""
     from tests.gpu.gemm_common import gated
     c = gated(dev, prob, bm)
+    check_c(prob, c)
     bits = np.ascontiguousarray(c[:, :2 * prob.n_cols]).view(np.uint16)
     prob.case.c = wire_ref.encode(bits)
     prob.case.msg_bytes = wire_msg_bytes(prob.n_cols, "fp8")
@@ -351,18 +356,18 @@ def _hopper_or_skip(dev):
 @pytest.mark.parametrize("family", ["random", "masked_experts", "bad_src_info", "modulo", "one_row"])
 def test_bf16_gemm_fp8_wire(dev, family):
     _hopper_or_skip(dev)
-    from tests.gpu.test_gemm import GemmProblem
+    from tests.gpu.test_gemm import GemmProblem, check_c
     for bm in (128, 64):
         prob = GemmProblem(family, fresh_seed(f"bf16 gemm fp8 wire {family} bm={bm}"), n_cols=512 * (1 + bm % 3),
                            k_dim=128)
-        _gemm_wire_exact(dev, prob, bm)
+        _gemm_wire_exact(dev, prob, bm, check_c)
 
 
 @pytest.mark.parametrize("family", ["random", "masked_experts", "bad_src_info", "modulo", "one_row"])
 def test_fp8_gemm_fp8_wire(dev, family):
     _hopper_or_skip(dev)
-    from tests.gpu.test_gemm_fp8 import Fp8Problem
+    from tests.gpu.test_gemm_fp8 import Fp8Problem, check_c
     for bm, align in ((128, 128), (64, 1)):
         prob = Fp8Problem(family, fresh_seed(f"fp8 gemm fp8 wire {family} bm={bm}"), n_cols=512, k_dim=256,
                           align=align)
-        _gemm_wire_exact(dev, prob, bm)
+        _gemm_wire_exact(dev, prob, bm, check_c)
