@@ -245,7 +245,7 @@ def fused_gemm(ctx) -> dict:
             fused16 = g.prepare(cfg(2 * N), *args, count_ptrs=cptr, p3_control=0, same_gpu=True,
                                 into=g.k.params_block(), **kw)
             fused8 = g.prepare(cfg(m8), *args, count_ptrs=cptr, p3_control=0, same_gpu=True, wire="fp8",
-                               into=g.k.params_block(), **kw)
+                               into=g.wire_kernel().params_block(), **kw)
             for tag, blk in (("gated", gated), ("fused bf16-wire", fused16), ("fused fp8-wire", fused8)):
                 g.launch(s, blk)
                 fns[f"{label} {tag}"] = lambda i, g=g, b=blk: g.launch(s, b)

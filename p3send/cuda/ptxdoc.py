@@ -224,3 +224,36 @@ def module_text(text: str, siblings) -> str:
     if missing:
         raise ConfigError(f"no PTX file defines {', '.join(missing)}", "PTX module")
     return "".join(parts)
+
+
+# ---------------------------------------------------------------- the bf16-only text of a two-wire file
+
+FP8_ONLY_BEGIN, FP8_ONLY_END = "// FP8 ONLY {", "// FP8 ONLY }"
+BF16_ALT = "//BF16 "
+
+
+def without_fp8(text: str) -> str:
+    """``text`` without its FP8-wire code: the lines between ``// FP8 ONLY {`` and
+    ``// FP8 ONLY }`` (each marker on a line of its own) are dropped, except a region's lines
+    ``//BF16 <code>``, which become that code. What a module that only ever sends or receives
+    the bf16 wire is built from (the FP8 code, though never run there, made such kernels
+    slower: docs/PERF.md). Raises ConfigError (a ValueError) on nested, unclosed or unopened
+    markers."""
+    out, inside = [], False
+    for n, line in enumerate(text.split("\n"), 1):
+        s = line.strip()
+        if s == FP8_ONLY_BEGIN:
+            if inside:
+                raise ConfigError([f"line {n}: '{FP8_ONLY_BEGIN}' inside another"], "PTX text")
+            inside = True
+        elif s == FP8_ONLY_END:
+            if not inside:
+                raise ConfigError([f"line {n}: '{FP8_ONLY_END}' without a begin"], "PTX text")
+            inside = False
+        elif not inside:
+            out.append(line)
+        elif s.startswith(BF16_ALT):
+            out.append(line[: len(line) - len(line.lstrip())] + s[len(BF16_ALT):])
+    if inside:
+        raise ConfigError([f"'{FP8_ONLY_BEGIN}' never closed"], "PTX text")
+    return "\n".join(out)

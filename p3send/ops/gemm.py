@@ -23,9 +23,9 @@ import numpy as np
 
 from ..abi.config import P3PeerSendConfig, P3SendCtx
 from ..abi.errors import ConfigError, P3SendError
-from ..abi.wire import FP8_HIDDEN_MULTIPLE, WIRE_BF16, WIRE_FP8, wire_format
+from ..abi.wire import FLAG_WIRE_FP8, FP8_HIDDEN_MULTIPLE, WIRE_BF16, WIRE_FP8, wire_format
 from ..cuda import driver, ptxdoc
-from ..cuda.loader import ParamBlock, kernel, link, load, ptx_dir
+from ..cuda.loader import Kernel, ParamBlock, kernel, link, load, ptx_dir
 from .args import address, aligned, array_layout, contiguous, nbytes, run_once
 from .send import SendLauncher
 
@@ -53,7 +53,7 @@ def require_hopper(dev: driver.Device, entry: str = ENTRY, needs: str = "wgmma, 
                           f"capability 9.0 (H100, H200, GH200); {dev.name} has {dev.cc[0]}.{dev.cc[1]}")
 
 
-def module_text(entry: str, variant_ptx: str | None = None, *, linked: bool = False) -> str:
+def module_text(entry: str, variant_ptx: str | None = None, *, linked: bool = False, bf16_only: bool = False) -> str:
     """A grouped GEMM's module text: its shipped PTX (or a variant's text), with the send's two
     functions as ``.extern`` for a linker (``linked``: nvcc's own -rdc form) or with
     p3_send_rows.ptx appended (the module the loader compiles, the calls inlined).
@@ -62,6 +62,8 @@ def module_text(entry: str, variant_ptx: str | None = None, *, linked: bool = Fa
         entry: the kernel (``ptx/<entry>.ptx``).
         variant_ptx: the text of a measurement variant, used instead of the shipped file.
         linked: the ``.extern`` form instead of the inlined module.
+        bf16_only: append p3_send_rows.ptx without its FP8-wire code (``ptxdoc.without_fp8``):
+            the module for the bf16 wire, whose send runs faster without it (docs/PERF.md).
 
     Returns:
         The PTX text.
@@ -69,7 +71,8 @@ def module_text(entry: str, variant_ptx: str | None = None, *, linked: bool = Fa
     text = variant_ptx if variant_ptx is not None else (ptx_dir() / f"{entry}.ptx").read_text()
     if linked:
         return ptxdoc.set_prototype_linkage(text, "extern")
-    return ptxdoc.module_text(text, [("p3_send_rows.ptx", (ptx_dir() / "p3_send_rows.ptx").read_text())])
+    rows = (ptx_dir() / "p3_send_rows.ptx").read_text()
+    return ptxdoc.module_text(text, [("p3_send_rows.ptx", ptxdoc.without_fp8(rows) if bf16_only else rows)])
 
 
 class DeviceArgsCache:
@@ -211,10 +214,11 @@ class GroupedGemmLauncher(SendLauncher):
             mod = link([(f"{entry}.ptx", module_text(entry, variant_ptx, linked=True)), "p3_send_rows"],
                        device=self.dev, name=f"{entry}+p3_send_rows (linked)", max_registers=self.LINK_MAX_REGISTERS)
             self.k = mod[entry]
-        elif variant_ptx is not None:
-            self.k = load(module_text(entry, variant_ptx), device=self.dev, name=f"{entry} (variant)")[entry]
         else:
-            self.k = kernel(entry, self.dev)
+            # two modules: k sends the bf16 wire (p3_send_rows without its FP8 code, faster:
+            # docs/PERF.md), wire_kernel() also the fp8 wire (the shipped p3_send_rows whole)
+            self.k = load(module_text(entry, variant_ptx, bf16_only=True), device=self.dev,
+                          name=f"{entry} (variant)" if variant_ptx is not None else f"{entry}.ptx")[entry]
         if self.SMEM > self.dev.smem_optin:
             raise P3SendError(f"{entry} needs {self.SMEM} B of shared memory per block; {self.dev.name} allows "
                               f"{self.dev.smem_optin}")
@@ -227,9 +231,38 @@ class GroupedGemmLauncher(SendLauncher):
         self.state = driver.DeviceBuffer(40 * self.n_experts, fill=0)
         self.diag = driver.DeviceBuffer(16, fill=0)
         self.block = self.k.params_block()
+        # a linked launcher: one module for both wires (it links the shipped p3_send_rows whole)
+        self._wire = (self.k, self.block) if linked else None
+        self._variant = variant_ptx
+        self._last = self.block     # the own block the last prepare filled (launch's default)
         self._dev_args: dict = {}   # id(parameter block) -> its P3SendCtx and tensor maps on the device
         self.device_args: DeviceArgsCache | None = None    # __call__'s, made on its first launch
         self._one_shot = False      # prepare() inside __call__: the upload is left to the launch
+
+    def wire_kernel(self) -> Kernel:
+        """The kernel of an fp8-wire launch: the module with the shipped ``p3_send_rows.ptx``
+        whole, which quantises when the flags carry ``FLAG_WIRE_FP8`` (``k``, the default
+        kernel, is built without that code and sends the bf16 wire only). A block for
+        ``prepare(..., wire="fp8", into=...)`` comes from ``wire_kernel().params_block()``.
+        A linked launcher has one module: ``k``."""
+        if self._wire is None:
+            entry = self.ENTRY
+            k = kernel(entry, self.dev) if self._variant is None else \
+                load(module_text(entry, self._variant), device=self.dev, name=f"{entry} (variant)")[entry]
+            driver.set_max_dynamic_smem(k.func, self.smem)
+            self._wire = (k, k.params_block())
+        return self._wire[0]
+
+    def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
+        """Enqueue a prepared launch on ``stream`` (no host wait).
+
+        Args:
+            stream: a ``driver.Stream``.
+            block: a block from ``prepare(..., into=...)``, or None: the launcher's own block
+                that the last ``prepare`` without ``into`` filled (of ``k``, or of
+                ``wire_kernel()`` on the fp8 wire).
+        """
+        super().launch(stream, block or self._last)
 
     def check_weights(self, name: str, shape: tuple, n_cols, k_dim, k_of: str, problems: list):
         """The weights' shape (E, N, K), once known to be one: E must be ``n_experts`` and K, when
@@ -413,7 +446,16 @@ class GroupedGemmLauncher(SendLauncher):
         ctx.count_ptrs[:] = sargs.count_ptrs
         ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = sargs.expert_offsets, self.state.ptr, self.diag.ptr
         ctx.n_experts, ctx.flags, ctx.p3_control = self.n_experts, sargs.flags, int(p3_control) if send else -1
-        blk = into or self.block
+        if sargs.flags & FLAG_WIRE_FP8 and ctx.p3_control >= 0:
+            k = self.wire_kernel()
+            if into is not None and into.kernel is not k:
+                raise ConfigError(["into: the fp8 wire needs a block of wire_kernel() (its p3_send_rows "
+                                   "quantises), got a block of another kernel"], f"{self.KIND}grouped-GEMM launch")
+            blk = into or self._wire[1]
+        else:
+            blk = into or self.block
+        if into is None:
+            self._last = blk        # the launcher's own block of either kernel: launch's default
         blk.device_args = bytes(ctx) + bytes(256 - ctypes.sizeof(ctx)) + maps
         if self._one_shot:
             return blk.set(cfg=cfg, **params)
@@ -512,7 +554,8 @@ class GroupedGemmSend(GroupedGemmLauncher):
             count_ptrs, row_cache, same_gpu, expert_offsets_host: as ``ScatterSend.prepare``.
             p3_control: < 0 (the default): plain GEMM writing C; >= 0: the rows go to their
                 owners as ``p3_scatter_send`` sends them.
-            into: fill this block (from ``self.k.params_block()``) instead of the launcher's
+            into: fill this block (from ``self.k.params_block()``; on the fp8 wire from
+                ``wire_kernel().params_block()``) instead of the launcher's
                 own; each block has its own P3SendCtx and tensor maps on the device, so several
                 prepared launches coexist. They are uploaded synchronously: do not prepare a
                 block while its launch is in flight (calling the launcher has no such limit).

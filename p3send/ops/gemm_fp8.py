@@ -99,7 +99,8 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                 (numpy ``expert_offsets`` are their own).
             expert_align: with host offsets known, every expert must start at a multiple of
                 this (default 128, DeepGEMM's contiguous layout; 1: any start).
-            into: fill this block (from ``self.k.params_block()``) instead of the launcher's
+            into: fill this block (from ``self.k.params_block()``; on the fp8 wire from
+                ``wire_kernel().params_block()``) instead of the launcher's
                 own; each block has its own P3SendCtx and tensor maps on the device, uploaded
                 synchronously: do not prepare a block while its launch is in flight (calling
                 the launcher has no such limit: ``GroupedGemmLauncher.__call__``).

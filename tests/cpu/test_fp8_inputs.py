@@ -205,7 +205,22 @@ def gpu(monkeypatch):
     monkeypatch.setattr(driver, "device", lambda ordinal=None: DEV)
     for mod in (gemm_mod, quant_mod, send_mod):
         monkeypatch.setattr(mod, "kernel", lambda entry, dev=None: stand_in_kernel(entry))
+    # the GEMMs' bf16-wire module is loaded from its text: a module of stand-in kernels
+    monkeypatch.setattr(gemm_mod, "load", lambda text, device=None, name=None: StandInModule(text))
     return g
+
+
+class StandInModule:
+    """``load``'s result for a module text on the stand-in driver: its kernels, by entry name
+    (``text`` kept for the tests to read)."""
+
+    def __init__(self, text: str):
+        self.text, self.device, self.name = text, DEV, "<stand-in module>"
+
+    def __getitem__(self, entry: str) -> Kernel:
+        k = stand_in_kernel(entry)
+        k.module = self
+        return k
 
 
 class FakeTensor:

@@ -49,8 +49,9 @@ GEMMS = {"fp8": fp8_gemm, "bf16": bf16_gemm}
 
 
 def prepare(g, arrays, sizes, cfg, **kw):
+    into = (g.wire_kernel() if kw.get("wire") == "fp8" else g.k).params_block()
     return g.prepare(cfg, *arrays, count_ptrs=[FakeBuffer(8 * 2 * N_RANKS) for _ in range(N_RANKS)], p3_control=0,
-                     into=g.k.params_block(), **sizes, **kw)
+                     into=into, **sizes, **kw)
 
 
 @pytest.mark.parametrize("gemm", sorted(GEMMS))

@@ -1,0 +1,77 @@
+"""The bf16 wire's modules hold no FP8 code: ``ptxdoc.without_fp8`` drops the lines between a
+file's ``// FP8 ONLY {`` / ``// FP8 ONLY }`` markers and makes their ``//BF16`` lines code;
+the grouped GEMMs load ``p3_send_rows.ptx`` that way for their default kernel and whole for
+``wire_kernel()`` (the fp8 wire), and an fp8-wire launch refuses a block of the bf16 kernel."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from p3send.abi.errors import ConfigError
+from p3send.abi.wire import wire_msg_bytes
+from p3send.cuda import ptxdoc
+from p3send.cuda.loader import ptx_dir
+from p3send.ops import gemm as gemm_mod
+from tests.cpu import test_gemm_wire as wire_tests
+from tests.cpu.test_fp8_inputs import FakeBuffer
+
+gpu = wire_tests.gpu                    # the stand-in driver's fixture
+
+ROWS_PTX = ptx_dir() / "p3_send_rows.ptx"
+
+
+def test_without_fp8_drops_regions_and_restores_bf16_lines():
+    text = "a\n    // FP8 ONLY {\n    x\n    //BF16 y %msg;\n    // FP8 ONLY }\nb"
+    assert ptxdoc.without_fp8(text) == "a\n    y %msg;\nb"
+    assert ptxdoc.without_fp8("no markers\n") == "no markers\n"
+
+
+@pytest.mark.parametrize("text, match", [("// FP8 ONLY {\n// FP8 ONLY {\n", "inside another"),
+                                         ("// FP8 ONLY }\n", "without a begin"), ("// FP8 ONLY {\n", "never closed")])
+def test_without_fp8_refuses_unbalanced_markers(text, match):
+    with pytest.raises(ValueError, match=match):
+        ptxdoc.without_fp8(text)
+
+
+def test_the_bf16_send_rows_holds_no_fp8_code_and_the_shipped_one_does():
+    whole = ROWS_PTX.read_text()
+    bf16 = ptxdoc.without_fp8(whole)
+    code = lambda t: "\n".join(s.split("//")[0] for s in t.splitlines())   # noqa: E731
+    for word in ("COPY_FP8", "e4m3", "%fp8", "%wfp8, %t2", "div.u64"):
+        assert word in code(whole), word
+    for word in ("COPY_FP8", "e4m3", "div.u64", "rem.u64             %u3, %u3, 528"):
+        assert word not in code(bf16), word
+    assert whole.count("// FP8 ONLY {") >= 6
+    # the functions and their parameter tables stay those of the shipped file
+    assert ptxdoc.parse_decls(bf16) == ptxdoc.parse_decls(whole)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
+@pytest.mark.parametrize("entry", ["p3_gemm_send", "p3_gemm_fp8_send"])
+def test_both_gemm_modules_assemble(entry, tmp_path):
+    for bf16_only in (True, False):
+        src = tmp_path / f"{entry}.{bf16_only}.ptx"
+        src.write_text(gemm_mod.module_text(entry, bf16_only=bf16_only))
+        r = subprocess.run(["ptxas", "-arch=sm_90a", str(src), "-o", str(tmp_path / "out.cubin")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("gemm", sorted(wire_tests.GEMMS))
+def test_the_default_kernel_is_the_bf16_module_and_fp8_refuses_its_block(gpu, gemm):
+    n = 512
+    g, arrays, sizes = wire_tests.GEMMS[gemm](n)
+    assert g.k.module.text == gemm_mod.module_text(g.ENTRY, bf16_only=True)
+    assert "COPY_FP8" not in g.k.module.text
+    assert g.wire_kernel() is g.wire_kernel() and g.wire_kernel() is not g.k
+    cfg = wire_tests.send_cfg(wire_msg_bytes(n, "fp8"))
+    with pytest.raises(ConfigError, match=r"into: the fp8 wire needs a block of wire_kernel\(\)"):
+        g.prepare(cfg, *arrays, count_ptrs=[FakeBuffer(8 * 2 * wire_tests.N_RANKS)] * wire_tests.N_RANKS,
+                  p3_control=0, into=g.k.params_block(), **sizes, wire="fp8")
+    blk = g.prepare(cfg, *arrays, count_ptrs=[FakeBuffer(8 * 2 * wire_tests.N_RANKS)] * wire_tests.N_RANKS,
+                    p3_control=0, **sizes, wire="fp8")
+    assert blk.kernel is g.wire_kernel()
+    gated = g.prepare(cfg, *arrays, FakeBuffer(2 * wire_tests.ROWS * n), **sizes, p3_control=-1)
+    assert gated.kernel is g.k            # the send off: the bf16 module writes C
