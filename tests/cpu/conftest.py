@@ -1,6 +1,8 @@
-"""Shared pieces of the CPU tests: paths, the hand-written disabled() image, a CLI driver."""
+"""Shared pieces of the CPU tests: paths, the hand-written disabled() image, a CLI driver, the
+maintained tools imported as modules."""
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,6 +11,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "ptx" / "p3send.h"
+
+
+def tool_module(name: str):
+    """``tools/<name>.py`` imported as a module (the tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 # Mojo's disabled() as 23 little-endian 8-byte words, written out by hand from docs/ABI.md §3
 # (not computed from abi.FIELDS, so a wrong table cannot agree with itself here).

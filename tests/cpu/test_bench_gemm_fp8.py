@@ -54,11 +54,7 @@ def test_table_renders_from_results_alone():
 def test_the_timed_variants_are_buildable_and_skippable_by_label():
     """Each variant the section times is one tools/build_gemm_fp8.py builds, and its label holds
     no comma (P3SEND_FP8_SKIP's separator: a label with one could never be skipped alone)."""
-    import importlib.util
-    from pathlib import Path
-    tool = Path(__file__).resolve().parents[2] / "tools" / "build_gemm_fp8.py"
-    spec = importlib.util.spec_from_file_location("build_gemm_fp8", tool)
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    from tests.cpu.conftest import tool_module
+    build = tool_module("build_gemm_fp8")
     for name, (label, _, _) in gemm_fp8.SHAPE_VARIANTS.items():
         assert name in build.VARIANTS and "," not in label and label.startswith(f"{name}: ")

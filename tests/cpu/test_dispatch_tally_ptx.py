@@ -2,12 +2,12 @@
 exactly the lines of p3_dispatch_count.ptx's (tools/build_dispatch_tally.py copies them)."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.cpu.conftest import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PTX = ROOT / "ptx"
@@ -15,10 +15,7 @@ TOOL = ROOT / "tools" / "build_dispatch_tally.py"
 
 
 def build_module():
-    spec = importlib.util.spec_from_file_location("build_dispatch_tally", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tool_module("build_dispatch_tally")
 
 
 def test_the_tally_holds_the_count_kernels_token_pass():

@@ -19,6 +19,7 @@ import pytest
 
 from p3send.abi.errors import ConfigError
 from p3send.cuda import ptxdoc, ptxlint
+from tests.cpu.conftest import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PTX = ROOT / "ptx" / "p3_gemm_send.ptx"
@@ -27,10 +28,7 @@ BUILD = ROOT / "tools" / "build_gemm.py"
 
 
 def _build_gemm():
-    spec = importlib.util.spec_from_file_location("build_gemm", BUILD)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tool_module("build_gemm")
 
 
 bg = _build_gemm()

@@ -7,7 +7,6 @@ and the assembly use the pinned nvcc (tools/build_gemm.py's ``toolkit()``, the t
 as tests/cpu/test_gemm_build.py does for the bf16 GEMM, so CI regenerates and compares both."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from p3send.cuda import ptxdoc, ptxlint
+from tests.cpu.conftest import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PTX = ROOT / "ptx" / "p3_gemm_fp8_send.ptx"
@@ -28,10 +28,7 @@ TOOL = ROOT / "tools" / "build_gemm_fp8.py"
 
 def _build_gemm():
     """tools/build_gemm.py, whose ``toolkit()`` both build scripts use."""
-    spec = importlib.util.spec_from_file_location("build_gemm", ROOT / "tools" / "build_gemm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tool_module("build_gemm")
 
 
 bg = _build_gemm()

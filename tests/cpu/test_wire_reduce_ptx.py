@@ -5,7 +5,6 @@ table; both pass the PTX lint; the bf16 entry holds no FP8 code."""
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from p3send.cuda import ptxdoc, ptxlint
+from tests.cpu.conftest import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PTX = ROOT / "ptx"
@@ -21,10 +21,7 @@ SOURCE = PTX / "cuda" / "p3_recv_reduce_source.ptx"
 
 
 def build_module():
-    spec = importlib.util.spec_from_file_location("build_recv", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tool_module("build_recv")
 
 
 @pytest.mark.parametrize("name, derive", [("p3_recv_reduce.ptx", "derive_bf16"),
