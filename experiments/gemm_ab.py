@@ -6,7 +6,8 @@ launch writes the same bytes and counts. Prints each version's fused / gated.
     git show REV:ptx/p3_gemm_send.ptx > /tmp/old.ptx
     PYTHONPATH=. python3 experiments/gemm_ab.py --ptx old=/tmp/old.ptx [--ptx NAME=GEMM.ptx,ROWS.ptx]
 
-A version is NAME=FILE (p3_gemm_send.ptx text; the shipped p3_send_rows.ptx is appended)
+A version is NAME=FILE (p3_gemm_send.ptx text; the shipped p3_send_rows.ptx is appended,
+less its FP8 code, ptxdoc.without_fp8, as GroupedGemmSend's bf16-wire kernel)
 or NAME=FILE,ROWS (with that p3_send_rows.ptx instead). The textual variants of the send
 measured in docs/PERF.md and not kept (``--variants``) were built by an earlier version of
 this script (tools/gemm_ab.py; PERF.md names the commit).
@@ -60,7 +61,7 @@ def main() -> int:
     shipped = loader.ptx_dir()
     others = [(p.name, p.read_text()) for p in sorted(shipped.glob("*.ptx"))
               if p.name not in ("p3_gemm_send.ptx", "p3_send_rows.ptx")]
-    rows_text = (shipped / "p3_send_rows.ptx").read_text()
+    rows_text = ptxdoc.without_fp8((shipped / "p3_send_rows.ptx").read_text())   # as the launcher's bf16 kernel
     versions = {"shipped": ((shipped / "p3_gemm_send.ptx").read_text(), rows_text)}
     for spec in a.ptx:
         name, _, files = spec.partition("=")

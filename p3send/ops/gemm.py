@@ -176,7 +176,9 @@ class DeviceArgsCache:
 
 class GroupedGemmLauncher(SendLauncher):
     """What the grouped-GEMM launchers (``GroupedGemmSend``, ``GroupedGemmFp8Send``) share: the
-    kernel loaded (inlined, linked or a variant), the sender state (zeroed once,
+    kernel loaded (inlined, linked or a variant; inlined, two modules: ``k`` for the bf16 wire,
+    with p3_send_rows.ptx less its FP8 code, and ``wire_kernel()`` for the fp8 wire, with the
+    file whole), the sender state (zeroed once,
     self-resetting), the diagnostics, the argument checks of sizes, send, C and tile height,
     and per parameter block the P3SendCtx and tensor maps on the device. Subclasses set
     the kernel's ``ENTRY``, ``THREADS``, ``SMEM`` (its dynamic shared memory), ``BN`` and
@@ -218,7 +220,8 @@ class GroupedGemmLauncher(SendLauncher):
             # two modules: k sends the bf16 wire (p3_send_rows without its FP8 code, faster:
             # docs/PERF.md), wire_kernel() also the fp8 wire (the shipped p3_send_rows whole)
             self.k = load(module_text(entry, variant_ptx, bf16_only=True), device=self.dev,
-                          name=f"{entry} (variant)" if variant_ptx is not None else f"{entry}.ptx")[entry]
+                          name=f"{entry} (variant, bf16 wire)" if variant_ptx is not None
+                          else f"{entry}.ptx (bf16 wire)")[entry]
         if self.SMEM > self.dev.smem_optin:
             raise P3SendError(f"{entry} needs {self.SMEM} B of shared memory per block; {self.dev.name} allows "
                               f"{self.dev.smem_optin}")
@@ -230,11 +233,11 @@ class GroupedGemmLauncher(SendLauncher):
         self.n_experts, self.linked = int(n_experts), linked
         self.state = driver.DeviceBuffer(40 * self.n_experts, fill=0)
         self.diag = driver.DeviceBuffer(16, fill=0)
-        self.block = self.k.params_block()
+        self._own = self.k.params_block()
         # a linked launcher: one module for both wires (it links the shipped p3_send_rows whole)
-        self._wire = (self.k, self.block) if linked else None
+        self._wire = (self.k, self._own) if linked else None
         self._variant = variant_ptx
-        self._last = self.block     # the own block the last prepare filled (launch's default)
+        self._last = self._own      # the own block the last prepare filled (launch's default)
         self._dev_args: dict = {}   # id(parameter block) -> its P3SendCtx and tensor maps on the device
         self.device_args: DeviceArgsCache | None = None    # __call__'s, made on its first launch
         self._one_shot = False      # prepare() inside __call__: the upload is left to the launch
@@ -244,7 +247,8 @@ class GroupedGemmLauncher(SendLauncher):
         whole, which quantises when the flags carry ``FLAG_WIRE_FP8`` (``k``, the default
         kernel, is built without that code and sends the bf16 wire only). A block for
         ``prepare(..., wire="fp8", into=...)`` comes from ``wire_kernel().params_block()``.
-        A linked launcher has one module: ``k``."""
+        A linked launcher has one module: ``k``. The module is compiled on first use (the
+        first fp8-wire ``prepare`` or call; seconds): call this before timing."""
         if self._wire is None:
             entry = self.ENTRY
             k = kernel(entry, self.dev) if self._variant is None else \
@@ -253,16 +257,30 @@ class GroupedGemmLauncher(SendLauncher):
             self._wire = (k, k.params_block())
         return self._wire[0]
 
+    @property
+    def block(self) -> ParamBlock:
+        """The launcher's own block that the last ``prepare`` without ``into`` filled: ``k``'s,
+        or ``wire_kernel()``'s after an fp8-wire one (so ``launch(s, g.block)`` launches what
+        that ``prepare`` filled, on either wire)."""
+        return self._last
+
     def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
         """Enqueue a prepared launch on ``stream`` (no host wait).
 
         Args:
             stream: a ``driver.Stream``.
             block: a block from ``prepare(..., into=...)``, or None: the launcher's own block
-                that the last ``prepare`` without ``into`` filled (of ``k``, or of
-                ``wire_kernel()`` on the fp8 wire).
+                that the last ``prepare`` without ``into`` filled (``self.block``).
+
+        Raises:
+            ConfigError: a block prepared for the fp8 wire that is not of ``wire_kernel()``.
         """
-        super().launch(stream, block or self._last)
+        blk = block or self._last
+        if getattr(blk, "fp8_wire", False) and (self._wire is None or blk.kernel is not self._wire[0]):
+            raise ConfigError(["block: prepared for the fp8 wire, but not a block of wire_kernel() (its "
+                               "p3_send_rows quantises; this one would send bf16 rows)"],
+                              f"{self.KIND}grouped-GEMM launch")
+        super().launch(stream, blk)
 
     def check_weights(self, name: str, shape: tuple, n_cols, k_dim, k_of: str, problems: list):
         """The weights' shape (E, N, K), once known to be one: E must be ``n_experts`` and K, when
@@ -453,9 +471,10 @@ class GroupedGemmLauncher(SendLauncher):
                                    "quantises), got a block of another kernel"], f"{self.KIND}grouped-GEMM launch")
             blk = into or self._wire[1]
         else:
-            blk = into or self.block
+            blk = into or self._own
         if into is None:
             self._last = blk        # the launcher's own block of either kernel: launch's default
+        blk.fp8_wire = bool(sargs.flags & FLAG_WIRE_FP8) and ctx.p3_control >= 0    # launch checks it
         blk.device_args = bytes(ctx) + bytes(256 - ctypes.sizeof(ctx)) + maps
         if self._one_shot:
             return blk.set(cfg=cfg, **params)
@@ -518,8 +537,9 @@ class GroupedGemmSend(GroupedGemmLauncher):
     n_experts: the experts of every launch (``expert_offsets`` holds n_experts + 1), 1..128.
     device: the Device to launch on, a Hopper GPU (default: ``driver.device()``).
     linked: link the kernel with ``p3_send_rows.ptx`` through the driver's linker
-    (docs/EMBEDDING.md (c); real calls, slower) instead of loading one module with the
-    calls inlined (the default). num_sms: the persistent grid (default: every SM).
+    (docs/EMBEDDING.md (c); real calls, slower) instead of loading modules with the calls
+    inlined (the default: ``k`` for the bf16 wire, ``wire_kernel()`` for the fp8 wire).
+    num_sms: the persistent grid (default: every SM).
     variant_ptx: the text of a measurement variant of the kernel (tools/build_gemm.py
     --variant), loaded (or linked) instead of the shipped one."""
 

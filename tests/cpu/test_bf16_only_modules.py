@@ -75,3 +75,45 @@ def test_the_default_kernel_is_the_bf16_module_and_fp8_refuses_its_block(gpu, ge
     assert blk.kernel is g.wire_kernel()
     gated = g.prepare(cfg, *arrays, FakeBuffer(2 * wire_tests.ROWS * n), **sizes, p3_control=-1)
     assert gated.kernel is g.k            # the send off: the bf16 module writes C
+
+
+@pytest.mark.parametrize("gemm", sorted(wire_tests.GEMMS))
+def test_launch_and_block_follow_the_last_own_prepare(gpu, gemm):
+    n = 512
+    g, arrays, sizes = wire_tests.GEMMS[gemm](n)
+    peers = [FakeBuffer(8 * 2 * wire_tests.N_RANKS)] * wire_tests.N_RANKS
+    fp8 = g.prepare(wire_tests.send_cfg(wire_msg_bytes(n, "fp8")), *arrays, count_ptrs=peers, p3_control=0,
+                    **sizes, wire="fp8")
+    assert g.block is fp8 and fp8.kernel is g.wire_kernel()
+    bf16 = g.prepare(wire_tests.send_cfg(2 * n), *arrays, count_ptrs=peers, p3_control=0, **sizes)
+    assert g.block is bf16 and bf16.kernel is g.k
+    # a bf16 launch may use the fp8 module's block (it sends bf16 too); not the other way round
+    g.prepare(wire_tests.send_cfg(2 * n), *arrays, count_ptrs=peers, p3_control=0, **sizes,
+              into=g.wire_kernel().params_block())
+
+
+@pytest.mark.parametrize("gemm", sorted(wire_tests.GEMMS))
+def test_a_variant_gets_both_modules_of_its_own_text(gpu, gemm, monkeypatch):
+    n = 512
+    cls = type(wire_tests.GEMMS[gemm](n)[0])
+    text = (ptx_dir() / f"{cls.ENTRY}.ptx").read_text() + "\n// a variant\n"
+    g = cls(2, device=wire_tests.DEV, variant_ptx=text)
+    assert g.k.module.text == gemm_mod.module_text(cls.ENTRY, text, bf16_only=True)
+    assert g.wire_kernel().module.text == gemm_mod.module_text(cls.ENTRY, text)
+
+
+@pytest.mark.parametrize("gemm", sorted(wire_tests.GEMMS))
+def test_a_linked_launcher_has_one_module_for_both_wires(gpu, gemm, monkeypatch):
+    from tests.cpu.test_fp8_inputs import StandInModule
+    seen = []
+    monkeypatch.setattr(gemm_mod, "link", lambda sources, **kw: seen.append(sources) or StandInModule("linked"))
+    n = 512
+    cls = type(wire_tests.GEMMS[gemm](n)[0])
+    g = cls(2, device=wire_tests.DEV, linked=True)
+    assert "p3_send_rows" in seen[0]            # the shipped file whole, by name
+    assert g.wire_kernel() is g.k
+    g2, arrays, sizes = wire_tests.GEMMS[gemm](n)
+    blk = g.prepare(wire_tests.send_cfg(wire_msg_bytes(n, "fp8")), *arrays,
+                    count_ptrs=[FakeBuffer(8 * 2 * wire_tests.N_RANKS)] * wire_tests.N_RANKS, p3_control=0,
+                    into=g.k.params_block(), **sizes, wire="fp8")
+    assert blk.kernel is g.k

@@ -2,8 +2,9 @@
 with ``wire="fp8"`` and the send on, the launch's P3SendCtx carries ``FLAG_WIRE_FP8`` and
 ``cfg.msg_bytes`` must be the fp8 slot size of an N-column row (``abi.wire.wire_msg_bytes``),
 N a multiple of 512; a bad ``msg_bytes``, N or ``wire`` is refused naming the argument before
-any launch; the default stays the bf16 wire (no flag, msg_bytes = 2N). The kernels need no
-change for it: p3_send_rows, appended to their modules at load, reads the flag."""
+any launch; the default stays the bf16 wire (no flag, msg_bytes = 2N). The GEMM kernels need
+no change for it: the fp8 wire launches ``wire_kernel()``, whose appended p3_send_rows reads
+the flag; the default kernel's p3_send_rows has no FP8 code (test_bf16_only_modules.py)."""
 from __future__ import annotations
 
 import pytest
