@@ -143,6 +143,24 @@ def toolkit(nvcc: str | Path | None = None) -> Toolkit:
                    f"the system nvcc {system} (version {NVCC_VERSION}, the pinned one; {why_not})")
 
 
+def header_block(source: str, begin: str, end: str, tool: str, src_name: str) -> str:
+    """The PTX header a .cu carries for its generated file: the lines of ``source`` between one
+    line ``begin`` and one later line ``end``, verbatim, each a ``//`` comment not ending in a
+    backslash (so nvcc sees only comments there). ``tool`` and ``src_name`` name the build
+    script and the .cu in the BuildError."""
+    lines = source.splitlines(keepends=True)
+    marks = [i for i, line in enumerate(lines) if line.rstrip("\n") in (begin, end)]
+    if [lines[i].rstrip("\n") for i in marks] != [begin, end]:
+        raise BuildError(f"{tool}: {src_name} must hold the PTX header between one line {begin!r} "
+                         f"and one later line {end!r}")
+    block = lines[marks[0] + 1:marks[1]]
+    for n, line in enumerate(block, marks[0] + 2):
+        if not line.startswith("//") or line.rstrip("\n").endswith("\\"):
+            raise BuildError(f"{tool}: {src_name}:{n}: each line of the PTX header is a // comment "
+                             f"not ending in a backslash, got {line.rstrip()!r}")
+    return "".join(block)
+
+
 class GemmBuild(NamedTuple):
     """One generated GEMM: ptx/<entry>.ptx, built from ptx/cuda/<entry>.cu. ``tool``: the
     script (its messages start with it); ``param_names``: the kernel's parameters in
@@ -173,18 +191,7 @@ class GemmBuild(NamedTuple):
 
     def header(self, source: str) -> str:
         """The PTX header: the lines of ``source`` between the two marker lines, verbatim."""
-        begin, end = self.header_begin, self.header_end
-        lines = source.splitlines(keepends=True)
-        marks = [i for i, line in enumerate(lines) if line.rstrip("\n") in (begin, end)]
-        if [lines[i].rstrip("\n") for i in marks] != [begin, end]:
-            raise BuildError(f"{self.tool}: {self.src.name} must hold the PTX header between one line {begin!r} "
-                             f"and one later line {end!r}")
-        block = lines[marks[0] + 1:marks[1]]
-        for n, line in enumerate(block, marks[0] + 2):
-            if not line.startswith("//") or line.rstrip("\n").endswith("\\"):
-                raise BuildError(f"{self.tool}: {self.src.name}:{n}: each line of the PTX header is a // comment "
-                                 f"not ending in a backslash, got {line.rstrip()!r}")
-        return "".join(block)
+        return header_block(source, self.header_begin, self.header_end, self.tool, self.src.name)
 
     def build(self, nvcc: str | Path | Toolkit | None = None, source: str | None = None, defines=()) -> str:
         """The shipped text (or a variant's, with ``defines``: nvcc's -D options), from the .cu

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
-from build_gemm import BuildError, Toolkit, toolkit  # noqa: E402
+from build_gemm import BuildError, Toolkit, header_block, toolkit  # noqa: E402
 
 from p3send.abi.errors import P3SendError  # noqa: E402
 from p3send.cuda import nvshmem_link  # noqa: E402
@@ -45,17 +45,7 @@ _STATIC_DECL = re.compile(r"^\.global \.align \d+ \.b8 (__nv_static_\w+)\[\d+\];
 
 def header(source: str) -> str:
     """The PTX header: the lines of ``source`` between the two marker lines, verbatim."""
-    lines = source.splitlines(keepends=True)
-    marks = [i for i, line in enumerate(lines) if line.rstrip("\n") in (HEADER_BEGIN, HEADER_END)]
-    if [lines[i].rstrip("\n") for i in marks] != [HEADER_BEGIN, HEADER_END]:
-        raise BuildError(f"build_nvshmem_shim: {SRC.name} must hold the PTX header between one line "
-                         f"{HEADER_BEGIN!r} and one later line {HEADER_END!r}")
-    block = lines[marks[0] + 1:marks[1]]
-    for n, line in enumerate(block, marks[0] + 2):
-        if not line.startswith("//") or line.rstrip("\n").endswith("\\"):
-            raise BuildError(f"build_nvshmem_shim: {SRC.name}:{n}: each line of the PTX header is a // comment "
-                             f"not ending in a backslash, got {line.rstrip()!r}")
-    return "".join(block)
+    return header_block(source, HEADER_BEGIN, HEADER_END, "build_nvshmem_shim", SRC.name)
 
 
 def drop_unused_statics(text: str) -> str:
