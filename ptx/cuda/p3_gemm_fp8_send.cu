@@ -167,6 +167,27 @@ template <> __device__ __forceinline__ void wgmma_kstep<64>(float (&d)[32], uint
 #define P3F_CONSUMER_INLINE __device__ __forceinline__
 #endif
 
+// Where a consumer thread works (both consumers): its warpgroup's rows of the A or B stage
+// (a_off, b_off: with WN 128 the two warpgroups split the tile's rows, else its columns), its
+// tile rows (r0 and r0 + 8), the pipeline's mbarriers and its place in the staged bf16 tile.
+template <int WN> struct ConsumerAt {
+    uint32_t a_off, b_off, full, empty, staged, freed, stg;
+    int r0;
+    template <class Lane>     // int or uint32_t: each consumer keeps its own shift of lane
+    __device__ __forceinline__ ConsumerAt(uint32_t base, int wg, int wq, Lane lane)
+    {
+        a_off = WN == 128 ? wg * 64 * Layout::BK : 0;
+        b_off = WN == 128 ? 0 : wg * 64 * Layout::BK;
+        const int row_off = WN == 128 ? wg * 64 : 0, col_off = WN == 128 ? 0 : wg * 64;
+        r0 = row_off + wq * 16 + (lane >> 2);
+        full = base + Layout::OFF_BAR;
+        empty = full + 8 * Layout::STAGES;
+        staged = empty + 8 * Layout::STAGES;
+        freed = staged + 8;
+        stg = base + Layout::OFF_STG + r0 * Layout::STG_PITCH + 2 * col_off + (lane & 3) * 4;
+    }
+};
+
 // A consumer warpgroup: the mainloop of every tile of this CTA with the promotion, then its
 // sums as bf16 into the staged tile (after the send warps have released the previous one).
 template <int WN>
@@ -176,13 +197,10 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
 {
     float acc[WN / 2], sum[WN / 2];
     const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
-    const uint32_t a_off = WN == 128 ? wg * 64 * Layout::BK : 0;  // this warpgroup's rows of an A stage
-    const uint32_t b_off = WN == 128 ? 0 : wg * 64 * Layout::BK;  // this warpgroup's rows of a B stage
-    const int row_off = WN == 128 ? wg * 64 : 0, col_off = WN == 128 ? 0 : wg * 64;
-    const int r0 = row_off + wq * 16 + (lane >> 2);           // this thread's tile rows: r0 and r0 + 8
-    const uint32_t full = base + Layout::OFF_BAR, empty = full + 8 * Layout::STAGES;
-    const uint32_t staged = empty + 8 * Layout::STAGES, freed = staged + 8;
-    const uint32_t stg = base + Layout::OFF_STG + r0 * Layout::STG_PITCH + 2 * col_off + (lane & 3) * 4;
+    const ConsumerAt<WN> at(base, wg, wq, lane);
+    const uint32_t a_off = at.a_off, b_off = at.b_off;
+    const int r0 = at.r0;
+    const uint32_t full = at.full, empty = at.empty, staged = at.staged, freed = at.freed, stg = at.stg;
     uint32_t s = 0, ph = 0, i = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
@@ -316,13 +334,10 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
     asm volatile("mov.u32 %0, smem;" : "=r"(base));
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
     const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
-    const uint32_t a_off = WN == 128 ? wg * 64 * Layout::BK : 0;  // this warpgroup's rows of an A stage
-    const uint32_t b_off = WN == 128 ? 0 : wg * 64 * Layout::BK;  // this warpgroup's rows of a B stage
-    const int row_off = WN == 128 ? wg * 64 : 0, col_off = WN == 128 ? 0 : wg * 64;
-    const int r0 = row_off + wq * 16 + (lane >> 2);           // this thread's tile rows: r0 and r0 + 8
-    const uint32_t full = base + Layout::OFF_BAR, empty = full + 8 * Layout::STAGES;
-    const uint32_t staged = empty + 8 * Layout::STAGES, freed = staged + 8;
-    const uint32_t stg = base + Layout::OFF_STG + r0 * Layout::STG_PITCH + 2 * col_off + (lane & 3) * 4;
+    const ConsumerAt<WN> at(base, wg, wq, lane);
+    const uint32_t a_off = at.a_off, b_off = at.b_off;
+    const int r0 = at.r0;
+    const uint32_t full = at.full, empty = at.empty, staged = at.staged, freed = at.freed, stg = at.stg;
     uint32_t s = 0, ph = 0, i = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
