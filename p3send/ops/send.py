@@ -183,10 +183,12 @@ class ScatterSend(SendLauncher):
     #: the tile launch: CTAs of TILE_THREADS threads, TILE_VECTORS (<= 8) vectors per thread
     TILE_THREADS = 128
     TILE_VECTORS = 8
-    #: the FP8 wire's launch: 20 warps a CTA (96 registers a thread), 8448 bytes of shared
-    #: memory each (its PTX header: two stages, the ctx, the acct, two mbarriers)
-    FP8_THREADS = 640
-    FP8_SMEM = 8448 * FP8_THREADS // 32
+    #: the FP8 wire's launch: 6 warps a CTA (.maxntid: up to 168 registers a thread, the
+    #: quantiser's two blocks in flight without spills), FP8_WARP_BYTES of shared memory each
+    #: (its PTX header: two stages of 8 rows x 1024 columns, the ctx, the acct, two mbarriers)
+    FP8_THREADS = 192
+    FP8_WARP_BYTES = 33024
+    FP8_SMEM = FP8_WARP_BYTES * FP8_THREADS // 32
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
                  threads: int = THREADS):
