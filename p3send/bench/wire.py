@@ -22,6 +22,7 @@ the same on both wires).
 """
 from __future__ import annotations
 
+import os
 
 import numpy as np
 
@@ -267,10 +268,19 @@ def fused_gemm(ctx) -> dict:
             "bytes": {f"{label} {tag}": b for label in ("FP8 GEMM", "BF16 GEMM") for tag, b in sent.items() if b}}
 
 
+#: comma-separated parts of the section to run (decode, send, gemm); unset: all three
+PARTS_ENV = "P3SEND_WIRE_PARTS"
+
+
 def run(ctx, out: dict) -> None:
-    """Section ``wire``: the decode round, the prefill send and the fused GEMM on both wires."""
+    """Section ``wire``: the decode round, the prefill send and the fused GEMM on both wires
+    (``P3SEND_WIRE_PARTS`` names a subset: a part left out is reported as skipped)."""
     res = {}
+    want = [t.strip() for t in os.environ.get(PARTS_ENV, "").split(",") if t.strip()]
     for part, fn in (("decode", decode_round), ("send", prefill_send), ("gemm", fused_gemm)):
+        if want and part not in want:
+            res[part] = {"skipped": f"{PARTS_ENV}={','.join(want)}"}
+            continue
         try:
             res[part] = fn(ctx)
         except (P3SendError, RuntimeError, TypeError, ValueError) as e:   # one part's failure must not hide the others

@@ -183,10 +183,14 @@ class ScatterSend(SendLauncher):
     #: the tile launch: CTAs of TILE_THREADS threads, TILE_VECTORS (<= 8) vectors per thread
     TILE_THREADS = 128
     TILE_VECTORS = 8
-    #: the FP8 wire's launch: 20 warps a CTA (96 registers a thread), 8448 bytes of shared
-    #: memory each (its PTX header: two stages, the ctx, the acct, two mbarriers)
-    FP8_THREADS = 640
-    FP8_SMEM = 8448 * FP8_THREADS // 32
+    #: the FP8 wire's launch: 12 warps a CTA (.maxntid 384 with .minnctapersm 1: up to 168
+    #: registers a thread, so the quantiser's two blocks in flight need no spills),
+    #: FP8_WARP_BYTES of shared memory each (its PTX header: two stages of 4 rows x 1024
+    #: columns, the ctx, the acct, two mbarriers); the shape measured best of those timed
+    #: side by side (docs/PERF.md, "The FP8 wire")
+    FP8_THREADS = 384
+    FP8_WARP_BYTES = 16640
+    FP8_SMEM = FP8_WARP_BYTES * FP8_THREADS // 32
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
                  threads: int = THREADS):

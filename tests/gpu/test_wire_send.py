@@ -147,7 +147,7 @@ def _raw_launch(dev, case, cfg_msg, entry_flags, entry="p3_scatter_send_fp8"):
                              expert_offsets=offs, state_ptr=state, diag_ptr=diag, n_experts=case.n_experts,
                              flags=entry_flags, p3_control=0)
         s = driver.Stream()
-        blk.launch((4,), (512 if entry.endswith("fp8") else 1024,), s, smem)
+        blk.launch((4,), (ScatterSend.FP8_THREADS if entry.endswith("fp8") else 1024,), s, smem)
         s.synchronize()
         return recv.download(), send_ops.read_diagnostics(diag, False)
     finally:
