@@ -26,7 +26,9 @@ BuildError = build_gemm.BuildError
 
 #: Measurement variants: name -> the macros they are compiled with (the source says what each does).
 VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"], "dual": ["-DP3F_DUAL"], "send_wg": ["-DP3F_SEND_WG"],
-            "outline": ["-DP3F_OUTLINE"]}
+            "outline": ["-DP3F_OUTLINE"], "pingpong": ["-DP3F_PINGPONG"],
+            "pingpong_sw": ["-DP3F_PINGPONG", "-DP3F_SEND_WG"],
+            "dual200": ["-DP3F_DUAL", "-DP3F_REGS_PRODUCER=104", "-DP3F_REGS_CONSUMER=200"]}
 
 GEMM = build_gemm.GemmBuild("build_gemm_fp8", "p3_gemm_fp8_send",
                             ("cfg", "ctx", "tmaps", "sb", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"), VARIANTS)

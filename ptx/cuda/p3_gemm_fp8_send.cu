@@ -47,6 +47,12 @@
 //   (the loader's inlined module) the call into it serialises them instead (C7510): linked only.
 // - -DP3F_SEND_WG: 512 threads, four more send warps (warps 12..15, a fourth warpgroup: seven in
 //   all), one accumulator set; setmaxnreg: 160 registers for the consumers, 96 for the rest.
+// - -DP3F_PINGPONG: the two consumer warpgroups issue their k-blocks' wgmmas in turns (two named
+//   barriers, as FlashAttention-3's ping-pong): warpgroup 0's k-block kb, then warpgroup 1's kb,
+//   then 0's kb + 1. Unordered, both warpgroups wait on the same full stage, issue together, the
+//   tensor cores interleave their wgmmas, both finish together and both promote while the
+//   tensor cores idle; in turns, one warpgroup promotes while the other's wgmmas run. Combines
+//   with P3F_SEND_WG.
 // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
 // allocated, THREADS x the kernel's register count (384 x 168 = 64,512, not 65,536; 512 x 128),
 // so a split over it never completes (it hung once: static_assert below).
@@ -167,6 +173,27 @@ template <> __device__ __forceinline__ void wgmma_kstep<64>(float (&d)[32], uint
 #define P3F_CONSUMER_INLINE __device__ __forceinline__
 #endif
 
+#ifdef P3F_PINGPONG
+// The consumers' turns (P3F_PINGPONG): named barrier TURN + w, 256 threads (warpgroup w waits
+// on it, the other warpgroup arrives), means "warpgroup w may issue its next k-block". Barrier 0
+// is __syncthreads; p3_send_rows uses none. Immediate ids (a register id reserves all 16).
+constexpr int TURN = 1;
+__device__ __forceinline__ void turn_wait(int w)
+{
+    if (w == 0)
+        asm volatile("bar.sync %0, 256;" :: "n"(TURN) : "memory");
+    else
+        asm volatile("bar.sync %0, 256;" :: "n"(TURN + 1) : "memory");
+}
+__device__ __forceinline__ void turn_give(int w)
+{
+    if (w == 0)
+        asm volatile("bar.arrive %0, 256;" :: "n"(TURN) : "memory");
+    else
+        asm volatile("bar.arrive %0, 256;" :: "n"(TURN + 1) : "memory");
+}
+#endif
+
 // Where a consumer thread works (both consumers): its warpgroup's rows of the A or B stage
 // (a_off, b_off: with WN 128 the two warpgroups split the tile's rows, else its columns), its
 // tile rows (r0 and r0 + 8), the pipeline's mbarriers and its place in the staged bf16 tile.
@@ -202,6 +229,12 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
     const int r0 = at.r0;
     const uint32_t full = at.full, empty = at.empty, staged = at.staged, freed = at.freed, stg = at.stg;
     uint32_t s = 0, ph = 0, i = 0;
+#ifdef P3F_PINGPONG
+    // warpgroup 0 goes first: warpgroup 1 gives it the first turn (only if the CTA has a tile:
+    // every give is matched by a wait, none is left pending at exit)
+    if (wg == 1 && (int)blockIdx.x < total)
+        turn_give(0);
+#endif
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
         const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / Layout::BN) * kblocks;
@@ -216,6 +249,13 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
         for (int kb = 0; kb < kblocks; ++kb) {
 #ifdef P3F_NO_PROMOTE
             mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, kb);
+#elif defined(P3F_PINGPONG)
+            turn_wait(wg);
+            mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);   // a fresh sum per k-block
+            // the other warpgroup's turn; warpgroup 1's last k-block of the CTA gives none (its
+            // first give was the extra one)
+            if (wg == 0 || kb + 1 < kblocks || t + (int)gridDim.x < total)
+                turn_give(wg ^ 1);
 #else
             mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);   // a fresh sum per k-block
 #endif
