@@ -54,7 +54,10 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets (setmaxnreg 88/208)", Non
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
                   "pingpong": ("pingpong: the consumers' k-blocks in turns", None, False),
                   "pingpong_sw": ("pingpong_sw: pingpong and 512 threads (7 send warps)", (512, 202612 + 4 * 48),
-                                  False)}
+                                  False),
+                  "pair": ("pair: 128 x 256 tiles as two 128-column mainloops (512-byte send segments)",
+                           (384, 201956), False),
+                  "pair_pp": ("pair_pp: pair and pingpong", (384, 201956), False)}
 FLOOR = "weight-read floor (FP8 weights read once)"
 BF16_OUTLINED = "p3_gemm_send (bf16) fused, linked (cuLink), consumer outlined"
 

@@ -53,6 +53,11 @@
 //   tensor cores interleave their wgmmas, both finish together and both promote while the
 //   tensor cores idle; in turns, one warpgroup promotes while the other's wgmmas run. Combines
 //   with P3F_SEND_WG.
+// - -DP3F_PAIR: 128 x 256 tiles (N a multiple of 256), each computed as two 128-column
+//   mainloops one after the other (the 64 + 64 registers of one), both staged into one 128 x 256
+//   bf16 tile (528-byte rows) that the send warps handle at once: 512-byte segments, half the
+//   p3_send_rows calls and flushes per row of C (the bf16 kernel's shape). 4 stages (shared
+//   memory). Combines with P3F_PINGPONG.
 // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
 // allocated, THREADS x the kernel's register count (384 x 168 = 64,512, not 65,536; 512 x 128),
 // so a split over it never completes (it hung once: static_assert below).
@@ -118,7 +123,13 @@
 // 128 columns per tile and 128 e4m3 per k-block (one scale block each), 5 stages; after the
 // staged tile, the stages of activation scales: (BM + 4) floats, 128-byte aligned, each
 constexpr int SA_STAGE = 640;
-#ifdef P3F_SEND_WG
+constexpr int SBLK = 128;                         // the weights' scale blocks: SBLK x SBLK
+#if defined(P3F_PAIR)
+// two 128-column mainloops per 128 x 256 tile, staged together (528-byte rows) and sent as
+// 512-byte segments: 4 stages
+using Layout = GemmLayout<256, 128, 1, 4, 4 * SA_STAGE, 3, 384, 128>;
+static_assert(Layout::SMEM == 201956, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
+#elif defined(P3F_SEND_WG)
 using Layout = GemmLayout<128, 128, 1, 5, 5 * SA_STAGE, 7, 512>;
 static_assert(Layout::SMEM == 202612 + 4 * 48, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
 #define P3F_REGS_PRODUCER 96
@@ -237,7 +248,14 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
 #endif
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
-        const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / Layout::BN) * kblocks;
+#ifdef P3F_PAIR
+#pragma unroll 1
+        for (int h = 0; h < Layout::HALVES; ++h) {  // the tile's column blocks, one mainloop each
+        const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK + h) * kblocks;
+#else
+        const int h = 0;
+        const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK) * kblocks;
+#endif
         float sb_cur = __ldg(sbt), sb_next = kblocks > 1 ? __ldg(sbt + 1) : 0.0f;
 #pragma unroll
         for (int j = 0; j < WN / 2; ++j)
@@ -254,7 +272,7 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
             mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);   // a fresh sum per k-block
             // the other warpgroup's turn; warpgroup 1's last k-block of the CTA gives none (its
             // first give was the extra one)
-            if (wg == 0 || kb + 1 < kblocks || t + (int)gridDim.x < total)
+            if (wg == 0 || kb + 1 < kblocks || h + 1 < Layout::HALVES || t + (int)gridDim.x < total)
                 turn_give(wg ^ 1);
 #else
             mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);   // a fresh sum per k-block
@@ -310,7 +328,12 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
             sum[4 * j + 3] = acc[4 * j + 3] * s1;
         }
 #endif
+#ifdef P3F_PAIR
+        stage_tile<Layout, WN>(sum, stg, staged, freed, i, h);
+        }
+#else
         stage_tile<Layout, WN>(sum, stg, staged, freed, i);
+#endif
     }
 }
 
@@ -473,7 +496,7 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(P3F_REGS_CONSUMER));
         const int wg = warp / 4 - 1, wq = warp % 4;
-        const int ncb = (int)(n_cols / Layout::BN);
+        const int ncb = (int)(n_cols / SBLK);
         if (bm == 128)
             P3F_CONSUMER<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
         else
@@ -501,7 +524,7 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
                           (int)bm, offs);
     } else {
         const int wg = warp / 4 - 1, wq = warp % 4;
-        const int ncb = (int)(n_cols / Layout::BN);
+        const int ncb = (int)(n_cols / SBLK);
         if (bm == 128)
             consumer<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
         else
