@@ -28,7 +28,8 @@ BuildError = build_gemm.BuildError
 VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"], "dual": ["-DP3F_DUAL"], "send_wg": ["-DP3F_SEND_WG"],
             "outline": ["-DP3F_OUTLINE"], "pingpong": ["-DP3F_PINGPONG"],
             "pingpong_sw": ["-DP3F_PINGPONG", "-DP3F_SEND_WG"],
-            "pair": ["-DP3F_PAIR"], "pair_pp": ["-DP3F_PAIR", "-DP3F_PINGPONG"]}
+            "pair": ["-DP3F_PAIR"], "pair_pp": ["-DP3F_PAIR", "-DP3F_PINGPONG"],
+            "pair_sw": ["-DP3F_PAIR", "-DP3F_PINGPONG", "-DP3F_SEND_WG"]}
 
 GEMM = build_gemm.GemmBuild("build_gemm_fp8", "p3_gemm_fp8_send",
                             ("cfg", "ctx", "tmaps", "sb", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"), VARIANTS)

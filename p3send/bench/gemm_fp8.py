@@ -57,7 +57,9 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets (setmaxnreg 88/208)", Non
                                   False),
                   "pair": ("pair: 128 x 256 tiles as two 128-column mainloops (512-byte send segments)",
                            (384, 201956), False),
-                  "pair_pp": ("pair_pp: pair and pingpong", (384, 201956), False)}
+                  "pair_pp": ("pair_pp: pair and pingpong", (384, 201956), False),
+                  "pair_sw": ("pair_sw: pair and pingpong and 512 threads (7 send warps)", (512, 201956 + 4 * 48),
+                              False)}
 FLOOR = "weight-read floor (FP8 weights read once)"
 BF16_OUTLINED = "p3_gemm_send (bf16) fused, linked (cuLink), consumer outlined"
 

@@ -127,13 +127,18 @@ constexpr int SBLK = 128;                         // the weights' scale blocks: 
 #if defined(P3F_PAIR)
 // two 128-column mainloops per 128 x 256 tile, staged together (528-byte rows) and sent as
 // 512-byte segments: 4 stages
-using Layout = GemmLayout<256, 128, 1, 4, 4 * SA_STAGE, 3, 384, 128>;
-static_assert(Layout::SMEM == 201956, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
-#elif defined(P3F_SEND_WG)
-using Layout = GemmLayout<128, 128, 1, 5, 5 * SA_STAGE, 7, 512>;
-static_assert(Layout::SMEM == 202612 + 4 * 48, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
+constexpr int P3F_BN = 256, P3F_STAGES = 4, P3F_SMEM = 201956;
+#else
+constexpr int P3F_BN = 128, P3F_STAGES = 5, P3F_SMEM = 202612;
+#endif
+#if defined(P3F_SEND_WG)
+using Layout = GemmLayout<P3F_BN, 128, 1, P3F_STAGES, P3F_STAGES * SA_STAGE, 7, 512, 128>;
+static_assert(Layout::SMEM == P3F_SMEM + 4 * 48, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
 #define P3F_REGS_PRODUCER 96
 #define P3F_REGS_CONSUMER 160
+#elif defined(P3F_PAIR)
+using Layout = GemmLayout<P3F_BN, 128, 1, P3F_STAGES, P3F_STAGES * SA_STAGE, 3, 384, 128>;
+static_assert(Layout::SMEM == P3F_SMEM, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
 #else
 using Layout = GemmLayout<128, 128, 1, 5, 5 * SA_STAGE>;
 static_assert(Layout::SMEM == 202612, "the dynamic shared memory of the PTX header's LAUNCH and of GroupedGemmFp8Send");
