@@ -49,17 +49,15 @@ SAMPLE_ROWS = 48
 #: Variants timed gated and fused beside the shipped kernel when their PTX is in the
 #: P3SEND_FP8_VARIANTS folder: name -> (label (no commas: P3SEND_FP8_SKIP's separator), launch
 #: shape (threads, dynamic shared memory) or None, linked through cuLink (else inlined))
-SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets (setmaxnreg 88/208)", None, False),
-                  "send_wg": ("send_wg: 512 threads (7 send warps)", (512, 202612 + 4 * 48), False),
+SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg 88/208)", None, False),
+                  "send_wg": ("send_wg: 512 threads (7 send warps)", (512, 201956 + 4 * 48), False),
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
-                  "pingpong": ("pingpong: the consumers' k-blocks in turns", None, False),
-                  "pingpong_sw": ("pingpong_sw: pingpong and 512 threads (7 send warps)", (512, 202612 + 4 * 48),
-                                  False),
-                  "pair": ("pair: 128 x 256 tiles as two 128-column mainloops (512-byte send segments)",
-                           (384, 201956), False),
-                  "pair_pp": ("pair_pp: pair and pingpong", (384, 201956), False),
-                  "pair_sw": ("pair_sw: pair and pingpong and 512 threads (7 send warps)", (512, 201956 + 4 * 48),
-                              False)}
+                  "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),
+                  "tile128": ("tile128: the earlier 128 x 128 tiles (shipped up to fbb32ce)", (384, 202612), False),
+                  "tile128_turns": ("tile128_turns: 128 x 128 tiles in turns", (384, 202612), False),
+                  "tile128_dual": ("tile128_dual: 128 x 128 tiles with two accumulator sets", (384, 202612), False),
+                  "tile128_send_wg": ("tile128_send_wg: 128 x 128 tiles and 7 send warps", (512, 202612 + 4 * 48),
+                                      False)}
 FLOOR = "weight-read floor (FP8 weights read once)"
 BF16_OUTLINED = "p3_gemm_send (bf16) fused, linked (cuLink), consumer outlined"
 
