@@ -1,7 +1,7 @@
 """Small runs of the FP8 kernels for compute-sanitizer (memcheck, racecheck): the quantiser on
 edge blocks, and the FP8 grouped GEMM gated and fused at a reduced shape (both tile heights,
-both layouts, a full and a narrow column tile). Exits non-zero if a result is wrong; the sanitizer's --error-exitcode reports
-memory errors and races.
+both layouts, a full and a narrow column tile). Exits non-zero if a result is wrong; the
+sanitizer's --error-exitcode reports memory errors and races.
 
     compute-sanitizer --tool memcheck --error-exitcode 99 python -m tests.gpu.sanitize_fp8
 """
