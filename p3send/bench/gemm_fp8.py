@@ -274,10 +274,13 @@ def measure_shape(ctx, name: str) -> dict:
             out["linked_registers"] = {"inlined": gem.k.num_regs}
         npv = _variant("no_promote")
         if npv is not None:
-            gv = GroupedGemmFp8Send(E, device=dev, variant_ptx=npv)
-            closers.append(gv)
-            gv_blk = gv.prepare(cfgs[0], aq, sa, bw, sb, offsets, c, bm=bm0, into=gv.k.params_block(), **common)
-            fns[f"p3_gemm_fp8_send gated bm={bm0}, promotion off (wrong numbers)"] = lambda i: gv.launch(s, gv_blk)
+            npg = GroupedGemmFp8Send(E, device=dev, variant_ptx=npv)
+            closers.append(npg)
+            np_blk = npg.prepare(cfgs[0], aq, sa, bw, sb, offsets, c, bm=bm0, into=npg.k.params_block(), **common)
+            # bound now: the variants' loop below rebinds gv (a late-bound name launched another
+            # launcher's kernel with this block: CUDA_ERROR_INVALID_VALUE)
+            fns[f"p3_gemm_fp8_send gated bm={bm0}, promotion off (wrong numbers)"] = \
+                lambda i, g=npg, b=np_blk: g.launch(s, b)
         else:
             out["no_promote"] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.no_promote.ptx"
         c_ref = c.clone()
