@@ -89,15 +89,15 @@
 // tensor maps into a 4-stage mbarrier ring; warpgroups 1 and 2 multiply with wgmma (BM = 128:
 // 64 rows x 128 each; BM = 64: 64 x 64 each), issuing their k-blocks in turns (named barriers
 // 1 and 2), and stage each finished mainloop as bf16 into the tile's half of shared memory;
-// warps 1..3 (send warps) handle the staged tile while the consumers run the next tile's. Rows past an expert's end are
-// computed and masked (in DeepGEMM's contiguous layout each span's padding rows are computed
-// and, with the send on, owned by no rank: never sent). Send off (ctx.p3_control < 0 or
-// cfg.n_ranks == 0): 16-byte stores of the valid rows into C. Send on: p3_send_rows by each
-// send warp (warp_rank 0..2 of 3, its own P3SendAcct, 512-byte column tiles (256 for a last
-// 128-column one); p3_send_flush
-// right after the warp's last tile of each expert; an expert with no rows is flushed empty by
-// send warp 0 of CTA e % grid): the receive buffers and counts then hold exactly what
-// p3_scatter_send writes from that C, and C is not written.
+// warps 1..3 (send warps) handle the staged tile while the consumers run the next tile's.
+// Rows past an expert's end are computed and masked (in DeepGEMM's contiguous layout each
+// span's padding rows are computed and, with the send on, owned by no rank: never sent). Send
+// off (ctx.p3_control < 0 or cfg.n_ranks == 0): 16-byte stores of the valid rows into C. Send
+// on: p3_send_rows by each send warp (warp_rank 0..2 of 3, its own P3SendAcct, 512-byte
+// column tiles, 256 for a last 128-column one; p3_send_flush right after the warp's last tile
+// of each expert; an expert with no rows is flushed empty by send warp 0 of CTA e % grid):
+// the receive buffers and counts then hold exactly what p3_scatter_send writes from that C,
+// and C is not written.
 // PARAMS
 //   off  size  type              name          meaning
 //     0   184  P3PeerSendConfig  cfg           the ABI struct, by value (send_mbx ignored); read by the send only
