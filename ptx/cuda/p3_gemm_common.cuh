@@ -248,9 +248,9 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[WN / 2], uint32_t base, 
 
 // A consumer thread's part of a finished tile (its WN / 2 fp32 values of rows r and r + 8,
 // in wgmma's accumulator order) as bf16 into the staged tile at stg, once the send warps have
-// released the previous tile (tile i of this CTA); then arrives on `staged`.
-// half (of the tile's mainloops; -1: the whole tile at once) stages one mainloop's columns, at
-// stg + 2 * BN_MMA * half: the first waits for the send warps, the last (last) arrives.
+// released the previous tile (tile i of this CTA); then arrives on `staged`. With half >= 0
+// (of the tile's mainloops; -1: the whole tile at once) one mainloop's columns, at stg + 2 *
+// BN_MMA * half: half 0 waits for the send warps, the last one (last) arrives.
 template <class L, int WN>
 __device__ __forceinline__ void stage_tile(const float (&v)[WN / 2], uint32_t stg, uint32_t staged, uint32_t freed,
                                            uint32_t i, int half = -1, bool last = true)
