@@ -132,10 +132,29 @@ def routing(rng, off: np.ndarray, rpe: np.ndarray, ranks: int, top_k: int):
     return counts, src, max_tok
 
 
+STALE: dict[str, str] = {}       # variant file -> why it was left out (built from another source)
+
+
+def _header(text: str) -> str:
+    """A PTX file's leading comment block (the build scripts copy it from the source)."""
+    lines = text.splitlines()
+    n = next((i for i, line in enumerate(lines) if not line.startswith("//")), len(lines))
+    return "\n".join(lines[:n])
+
+
 def _variant(name: str, entry: str = "p3_gemm_fp8_send") -> str | None:
+    """The text of variant ``name`` from the P3SEND_FP8_VARIANTS folder, or None: absent, or
+    built from another version of the source than the shipped PTX (its header differs: its
+    launch shape may not be the one the bench gives it; noted in STALE)."""
     d = os.environ.get(VARIANTS_ENV)
     p = Path(d) / f"{entry}.{name}.ptx" if d else None
-    return p.read_text() if p is not None and p.is_file() else None
+    if p is None or not p.is_file():
+        return None
+    text = p.read_text()
+    if _header(text) != _header((loader.ptx_dir() / f"{entry}.ptx").read_text()):
+        STALE[p.name] = "left out: its header differs from the shipped PTX's (built from another source: rebuild it)"
+        return None
+    return text
 
 
 def _deep_gemm():
@@ -416,6 +435,8 @@ def measure_shape(ctx, name: str) -> dict:
                       "n": sum(p[k]["n"] for p in passes)}
             res[k]["TFLOPs"] = flops / (res[k]["median_us"] * 1e-6) / 1e12
         out["results"] = res
+        if STALE:
+            out["stale_variants"] = dict(STALE)
         out["ratios"] = _ratios(res, name, bm0, passes)
     finally:
         for cl in closers:
@@ -530,7 +551,7 @@ def table(out: dict) -> str:
                  f"{r['weights_mb']:.0f} MB of FP8 weights); fused == gated C then p3_scatter_send: "
                  f"{r['fused_equals_gated_then_scatter_send']}; C error on {r['error']['sampled_rows']} sampled rows: "
                  f"max {r['error']['max_err_over_bound']:.3g} of the bound, rel norm {r['error']['rel_norm']:.3g}")
-        for k in ("deepgemm", "no_promote", *SHAPE_VARIANTS, "torch_scaled_grouped_mm", "skipped"):
+        for k in ("deepgemm", "no_promote", *SHAPE_VARIANTS, "torch_scaled_grouped_mm", "skipped", "stale_variants"):
             if k in r:
                 L.append(f"   {k}: {r[k]}")
         if "linked_registers" in r:
