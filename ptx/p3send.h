@@ -224,7 +224,7 @@ extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3Se
 #define P3_FP8_SCALE_ROWS(rows) ((((rows) + 3) / 4) * 4)
 #define P3_QUANT_FP8_THREADS 256
 #define P3_GEMM_FP8_THREADS 384
-#define P3_GEMM_FP8_SMEM 202612
+#define P3_GEMM_FP8_SMEM 201956
 
 /* ======================================================================== */
 /* The combine's wire formats (p3send/abi/wire.py; docs/PROTOCOL.md)        */

@@ -25,8 +25,11 @@ ROOT = build_gemm.ROOT
 BuildError = build_gemm.BuildError
 
 #: Measurement variants: name -> the macros they are compiled with (the source says what each does).
-VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"], "dual": ["-DP3F_DUAL"], "send_wg": ["-DP3F_SEND_WG"],
-            "outline": ["-DP3F_OUTLINE"]}
+VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"], "dual": ["-DP3F_DUAL", "-DP3F_NO_TURNS"],
+            "send_wg": ["-DP3F_SEND_WG"], "outline": ["-DP3F_OUTLINE"], "no_turns": ["-DP3F_NO_TURNS"],
+            "tile128": ["-DP3F_TILE128"], "tile128_turns": ["-DP3F_TILE128", "-DP3F_TURNS"],
+            "tile128_dual": ["-DP3F_TILE128", "-DP3F_DUAL"],
+            "tile128_send_wg": ["-DP3F_TILE128", "-DP3F_SEND_WG"]}
 
 GEMM = build_gemm.GemmBuild("build_gemm_fp8", "p3_gemm_fp8_send",
                             ("cfg", "ctx", "tmaps", "sb", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"), VARIANTS)

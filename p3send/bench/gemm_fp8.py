@@ -49,9 +49,15 @@ SAMPLE_ROWS = 48
 #: Variants timed gated and fused beside the shipped kernel when their PTX is in the
 #: P3SEND_FP8_VARIANTS folder: name -> (label (no commas: P3SEND_FP8_SKIP's separator), launch
 #: shape (threads, dynamic shared memory) or None, linked through cuLink (else inlined))
-SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets (setmaxnreg 88/208)", None, False),
-                  "send_wg": ("send_wg: 512 threads (7 send warps)", (512, 202612 + 4 * 48), False),
-                  "outline": ("outline: consumer outlined and linked (cuLink)", None, True)}
+SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg 88/208)", None, False),
+                  "send_wg": ("send_wg: 512 threads (7 send warps)", (512, 201956 + 4 * 48), False),
+                  "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
+                  "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),
+                  "tile128": ("tile128: the earlier 128 x 128 tiles (shipped up to fbb32ce)", (384, 202612), False),
+                  "tile128_turns": ("tile128_turns: 128 x 128 tiles in turns", (384, 202612), False),
+                  "tile128_dual": ("tile128_dual: 128 x 128 tiles with two accumulator sets", (384, 202612), False),
+                  "tile128_send_wg": ("tile128_send_wg: 128 x 128 tiles and 7 send warps", (512, 202612 + 4 * 48),
+                                      False)}
 FLOOR = "weight-read floor (FP8 weights read once)"
 BF16_OUTLINED = "p3_gemm_send (bf16) fused, linked (cuLink), consumer outlined"
 
@@ -126,10 +132,29 @@ def routing(rng, off: np.ndarray, rpe: np.ndarray, ranks: int, top_k: int):
     return counts, src, max_tok
 
 
+STALE: dict[str, str] = {}       # variant file -> why it was left out (built from another source)
+
+
+def _header(text: str) -> str:
+    """A PTX file's leading comment block (the build scripts copy it from the source)."""
+    lines = text.splitlines()
+    n = next((i for i, line in enumerate(lines) if not line.startswith("//")), len(lines))
+    return "\n".join(lines[:n])
+
+
 def _variant(name: str, entry: str = "p3_gemm_fp8_send") -> str | None:
+    """The text of variant ``name`` from the P3SEND_FP8_VARIANTS folder, or None: absent, or
+    built from another version of the source than the shipped PTX (its header differs: its
+    launch shape may not be the one the bench gives it; noted in STALE)."""
     d = os.environ.get(VARIANTS_ENV)
     p = Path(d) / f"{entry}.{name}.ptx" if d else None
-    return p.read_text() if p is not None and p.is_file() else None
+    if p is None or not p.is_file():
+        return None
+    text = p.read_text()
+    if _header(text) != _header((loader.ptx_dir() / f"{entry}.ptx").read_text()):
+        STALE[p.name] = "left out: its header differs from the shipped PTX's (built from another source: rebuild it)"
+        return None
+    return text
 
 
 def _deep_gemm():
@@ -250,22 +275,34 @@ def measure_shape(ctx, name: str) -> dict:
                 row_cache.zero_()
             gem.launch(s, rc_blk)
         fns[f"p3_gemm_fp8_send fused bm={bm0}, row cache"] = fused_rc
-        lk = GroupedGemmFp8Send(E, device=dev, linked=True)
-        closers.append(lk)
-        lk_blk = lk.prepare(cfgs[1], aq, sa, bw, sb, offsets, bm=bm0, count_ptrs=cptr[1], p3_control=0,
-                            same_gpu=True, into=lk.k.params_block(), **common)
-        out["linked_registers"] = {"inlined": gem.k.num_regs, "linked": lk.k.num_regs}
-        fns[f"p3_gemm_fp8_send fused bm={bm0}, linked (cuLink)"] = lambda i: lk.launch(s, lk_blk)
+        skip = [t for t in os.environ.get(SKIP_ENV, "").split(",") if t]
+
+        def skipped(key: str) -> bool:       # left out before its module is loaded (a JIT each)
+            if any(t in key for t in skip):
+                out.setdefault("skipped", []).append(f"{key} ({SKIP_ENV})")
+                return True
+            return False
+        if not skipped(f"p3_gemm_fp8_send fused bm={bm0}, linked (cuLink)"):
+            lk = GroupedGemmFp8Send(E, device=dev, linked=True)
+            closers.append(lk)
+            lk_blk = lk.prepare(cfgs[1], aq, sa, bw, sb, offsets, bm=bm0, count_ptrs=cptr[1], p3_control=0,
+                                same_gpu=True, into=lk.k.params_block(), **common)
+            out["linked_registers"] = {"inlined": gem.k.num_regs, "linked": lk.k.num_regs}
+            fns[f"p3_gemm_fp8_send fused bm={bm0}, linked (cuLink)"] = lambda i: lk.launch(s, lk_blk)
+        else:
+            out["linked_registers"] = {"inlined": gem.k.num_regs}
         npv = _variant("no_promote")
         if npv is not None:
-            gv = GroupedGemmFp8Send(E, device=dev, variant_ptx=npv)
-            closers.append(gv)
-            gv_blk = gv.prepare(cfgs[0], aq, sa, bw, sb, offsets, c, bm=bm0, into=gv.k.params_block(), **common)
-            fns[f"p3_gemm_fp8_send gated bm={bm0}, promotion off (wrong numbers)"] = lambda i: gv.launch(s, gv_blk)
+            npg = GroupedGemmFp8Send(E, device=dev, variant_ptx=npv)
+            closers.append(npg)
+            np_blk = npg.prepare(cfgs[0], aq, sa, bw, sb, offsets, c, bm=bm0, into=npg.k.params_block(), **common)
+            # bound now: the variants' loop below rebinds gv (a late-bound name launched another
+            # launcher's kernel with this block: CUDA_ERROR_INVALID_VALUE)
+            fns[f"p3_gemm_fp8_send gated bm={bm0}, promotion off (wrong numbers)"] = \
+                lambda i, g=npg, b=np_blk: g.launch(s, b)
         else:
             out["no_promote"] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.no_promote.ptx"
         c_ref = c.clone()
-        skip = [t for t in os.environ.get(SKIP_ENV, "").split(",") if t]
         for vname, (label, shape, linked) in SHAPE_VARIANTS.items():
             vt = _variant(vname)
             if vt is None:
@@ -293,27 +330,28 @@ def measure_shape(ctx, name: str) -> dict:
             fns[f"p3_gemm_fp8_send fused bm={bm0}, {label}"] = lambda i, gv=gv, b=vb[f"fused bm={bm0}"]: gv.launch(s, b)
         c.copy_(c_ref)
         # p3send's bf16 GEMM on the same rows (the weights dequantised to bf16)
-        wb = (bw.float() * sb.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(torch.bfloat16)
-        cb = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-        g16 = GroupedGemmSend(E, device=dev)
-        g16l = GroupedGemmSend(E, device=dev, linked=True)
-        closers += [g16, g16l]
-        b16 = dict(expert_offsets_host=off, rows=rows, n_cols=N, k_dim=K, bm=bm0)
-        g16_gated = g16.prepare(cfgs[0], x, wb, offsets, cb, into=g16.k.params_block(), **b16)
-        g16_fused = g16.prepare(cfgs[1], x, wb, offsets, count_ptrs=cptr[1], p3_control=0, same_gpu=True,
-                                into=g16.k.params_block(), **b16)
-        g16_link = g16l.prepare(cfgs[1], x, wb, offsets, count_ptrs=cptr[1], p3_control=0, same_gpu=True,
-                                into=g16l.k.params_block(), **b16)
-        fns["p3_gemm_send (bf16) gated"] = lambda i: g16.launch(s, g16_gated)
-        fns["p3_gemm_send (bf16) fused"] = lambda i: g16.launch(s, g16_fused)
-        fns["p3_gemm_send (bf16) fused, linked (cuLink)"] = lambda i: g16l.launch(s, g16_link)
-        b16v = _variant("outline", "p3_gemm_send")
-        if b16v is not None:      # the linked route with the consumers' mainloop outlined (no C7509)
-            g16o = GroupedGemmSend(E, device=dev, linked=True, variant_ptx=b16v)
-            closers.append(g16o)
-            g16_out = g16o.prepare(cfgs[1], x, wb, offsets, count_ptrs=cptr[1], p3_control=0, same_gpu=True,
-                                   into=g16o.k.params_block(), **b16)
-            fns[BF16_OUTLINED] = lambda i: g16o.launch(s, g16_out)
+        if not skipped("p3_gemm_send (bf16) gated, fused, linked"):
+            wb = (bw.float() * sb.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(torch.bfloat16)
+            cb = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+            g16 = GroupedGemmSend(E, device=dev)
+            g16l = GroupedGemmSend(E, device=dev, linked=True)
+            closers += [g16, g16l]
+            b16 = dict(expert_offsets_host=off, rows=rows, n_cols=N, k_dim=K, bm=bm0)
+            g16_gated = g16.prepare(cfgs[0], x, wb, offsets, cb, into=g16.k.params_block(), **b16)
+            g16_fused = g16.prepare(cfgs[1], x, wb, offsets, count_ptrs=cptr[1], p3_control=0, same_gpu=True,
+                                    into=g16.k.params_block(), **b16)
+            g16_link = g16l.prepare(cfgs[1], x, wb, offsets, count_ptrs=cptr[1], p3_control=0, same_gpu=True,
+                                    into=g16l.k.params_block(), **b16)
+            fns["p3_gemm_send (bf16) gated"] = lambda i: g16.launch(s, g16_gated)
+            fns["p3_gemm_send (bf16) fused"] = lambda i: g16.launch(s, g16_fused)
+            fns["p3_gemm_send (bf16) fused, linked (cuLink)"] = lambda i: g16l.launch(s, g16_link)
+            b16v = _variant("outline", "p3_gemm_send")
+            if b16v is not None:      # the linked route with the consumers' mainloop outlined (no C7509)
+                g16o = GroupedGemmSend(E, device=dev, linked=True, variant_ptx=b16v)
+                closers.append(g16o)
+                g16_out = g16o.prepare(cfgs[1], x, wb, offsets, count_ptrs=cptr[1], p3_control=0, same_gpu=True,
+                                       into=g16o.k.params_block(), **b16)
+                fns[BF16_OUTLINED] = lambda i: g16o.launch(s, g16_out)
         # torch's FP8 grouped GEMM (rowwise scales: another recipe, timed only)
         ends = torch.from_numpy(off[1:].astype(np.int32)).cuda()
         ra, rb = torch.ones(rows, device="cuda"), torch.ones(E, N, device="cuda")
@@ -397,6 +435,8 @@ def measure_shape(ctx, name: str) -> dict:
                       "n": sum(p[k]["n"] for p in passes)}
             res[k]["TFLOPs"] = flops / (res[k]["median_us"] * 1e-6) / 1e12
         out["results"] = res
+        if STALE:
+            out["stale_variants"] = dict(STALE)
         out["ratios"] = _ratios(res, name, bm0, passes)
     finally:
         for cl in closers:
@@ -511,7 +551,7 @@ def table(out: dict) -> str:
                  f"{r['weights_mb']:.0f} MB of FP8 weights); fused == gated C then p3_scatter_send: "
                  f"{r['fused_equals_gated_then_scatter_send']}; C error on {r['error']['sampled_rows']} sampled rows: "
                  f"max {r['error']['max_err_over_bound']:.3g} of the bound, rel norm {r['error']['rel_norm']:.3g}")
-        for k in ("deepgemm", "no_promote", *SHAPE_VARIANTS, "torch_scaled_grouped_mm", "skipped"):
+        for k in ("deepgemm", "no_promote", *SHAPE_VARIANTS, "torch_scaled_grouped_mm", "skipped", "stale_variants"):
             if k in r:
                 L.append(f"   {k}: {r[k]}")
         if "linked_registers" in r:

@@ -31,7 +31,7 @@ from .quant import FP8_DTYPES, check_rows_array, check_scales
 
 ENTRY = "p3_gemm_fp8_send"
 THREADS = 384
-SMEM = 202612            # the kernel's dynamic shared memory (its PTX header, LAUNCH)
+SMEM = 201956            # the kernel's dynamic shared memory (its PTX header, LAUNCH)
 BN, BK = 128, 128        # output columns per tile, K per pipeline stage (one scale block each)
 MAX_EXPERTS = 128
 LINK_MAX_REGISTERS = 168  # 65536 / 384 threads, rounded down to 8

@@ -114,7 +114,11 @@ __device__ __forceinline__ Tile grouped_tile(int t, int n_tiles, int n_experts, 
 //
 // SEND_WARPS_ 3 and THREADS_ 384 by default; with THREADS_ 512 a fourth warpgroup (warps
 // 12..15) holds send warps 3..SEND_WARPS-1 (send_rank: a warp's rank among the send warps, or -1).
-template <int BN_, int BK_, int ELEM_, int STAGES_, int EXTRA_, int SEND_WARPS_ = 3, int THREADS_ = 384>
+// BN_MMA_ (BN by default): the columns of one mainloop; with BN = HALVES x BN_MMA a tile's
+// column blocks are computed one after the other (a mainloop each, B stages of BN_MMA rows)
+// into one staged tile of BN columns, which the send warps handle at once.
+template <int BN_, int BK_, int ELEM_, int STAGES_, int EXTRA_, int SEND_WARPS_ = 3, int THREADS_ = 384,
+          int BN_MMA_ = BN_>
 struct GemmLayout {
     static constexpr int THREADS = THREADS_, SEND_WARPS = SEND_WARPS_, MAX_EXPERTS = 128;
     static_assert((THREADS == 384 && SEND_WARPS == 3) || (THREADS == 512 && SEND_WARPS > 3 && SEND_WARPS <= 7),
@@ -123,9 +127,10 @@ struct GemmLayout {
     {
         return warp >= 1 && warp <= 3 ? warp - 1 : (warp >= 12 && warp < 9 + SEND_WARPS ? warp - 9 : -1);
     }
-    static constexpr int BN = BN_, BK = BK_, STAGES = STAGES_;
+    static constexpr int BN = BN_, BK = BK_, STAGES = STAGES_, BN_MMA = BN_MMA_, HALVES = BN_ / BN_MMA_;
+    static_assert(BN_ % BN_MMA_ == 0, "a tile is whole mainloops of BN_MMA columns");
     static constexpr int KSTEPS = BK * ELEM_ / 32;             // wgmma k-steps (32 bytes of K) per k-block
-    static constexpr int A_STAGE = 128 * BK * ELEM_, B_STAGE = BN * BK * ELEM_, STG_PITCH = 2 * BN + 16;
+    static constexpr int A_STAGE = 128 * BK * ELEM_, B_STAGE = BN_MMA * BK * ELEM_, STG_PITCH = 2 * BN + 16;
     static constexpr int OFF_B = STAGES * A_STAGE, OFF_STG = OFF_B + STAGES * B_STAGE;
     static constexpr int OFF_EXTRA = OFF_STG + 128 * STG_PITCH, OFF_BAR = OFF_EXTRA + EXTRA_;
     static constexpr int OFF_ACCT = OFF_BAR + (2 * STAGES + 2) * 8;
@@ -134,6 +139,14 @@ struct GemmLayout {
 };
 
 extern __shared__ __align__(1024) uint8_t smem[];               // the layout: the kernel's GemmLayout
+
+// The mainloops of tile T (of L::BN columns from T.n0, at most L::HALVES): the last tile of a row
+// of tiles may be narrower, n_cols being a multiple of BN_MMA only.
+template <class L>
+__device__ __forceinline__ int tile_halves(const Tile &T, uint32_t n_cols)
+{
+    return L::HALVES == 1 ? 1 : min(L::HALVES, ((int)n_cols - T.n0) / L::BN_MMA);
+}
 
 // The launch's checks and the CTA's set-up: false (the kernel does nothing) for arguments the
 // launcher refuses before launch; else thread 0 writes the m-tile prefix and initialises the
@@ -145,7 +158,7 @@ __device__ __forceinline__ bool gemm_setup(uint32_t base, int tid, const int *of
     const int warp = tid / 32, lane = tid % 32;
     int *mpre = reinterpret_cast<int *>(smem + L::OFF_MPRE);
     if (n_experts < 1 || n_experts > L::MAX_EXPERTS || (bm != 64 && bm != 128) || k_dim == 0 ||
-        k_dim % L::BK || n_cols == 0 || n_cols % L::BN)
+        k_dim % L::BK || n_cols == 0 || n_cols % L::BN_MMA)
         return false;
     if (base & 1023)
         __trap();                                   // the swizzled stages need 1024-byte alignment
@@ -182,9 +195,9 @@ __device__ __forceinline__ bool gemm_setup(uint32_t base, int tid, const int *of
 }
 
 // The producer (one thread), after it has prefetched the tensor maps: for every tile of this
-// CTA and k-block, waits for the ring's next stage to be free and loads A (BM x BK) and B
-// (BN x BK) into it, and what more(stage, its full barrier, tile, k-block) loads with them:
-// tx bytes in all, counted on the stage's full barrier.
+// CTA (and each of its HALVES mainloops) and k-block, waits for the ring's next stage to be
+// free and loads A (BM x BK) and B (BN_MMA x BK) into it, and what more(stage, its full
+// barrier, tile, k-block) loads with them: tx bytes in all, counted on the stage's full barrier.
 template <class L, class More>
 __device__ __forceinline__ void produce(uint32_t base, const TmaMap *tmap_a, const TmaMap *tmap_b, uint32_t tx,
                                         int total, int n_tiles, int n_experts, const int *mpre, const int *offs,
@@ -195,11 +208,13 @@ __device__ __forceinline__ void produce(uint32_t base, const TmaMap *tmap_a, con
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mpre, offs, bm, L::BN);
         const int brow = T.e * (int)n_cols + T.n0;
+        const int halves = tile_halves<L>(T, n_cols);
+        for (int h = 0; h < halves; ++h)
         for (int kb = 0; kb < kblocks; ++kb) {
             mbar_wait(empty + 8 * s, ph ^ 1);
             mbar_expect_tx(full + 8 * s, tx);
             tma_load(base + s * L::A_STAGE, tmap_a, full + 8 * s, kb * L::BK, T.m0);
-            tma_load(base + L::OFF_B + s * L::B_STAGE, tmap_b, full + 8 * s, kb * L::BK, brow);
+            tma_load(base + L::OFF_B + s * L::B_STAGE, tmap_b, full + 8 * s, kb * L::BK, brow + h * L::BN_MMA);
             more(s, full + 8 * s, T, kb);
             if (++s == L::STAGES) {
                 s = 0;
@@ -233,30 +248,37 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[WN / 2], uint32_t base, 
 
 // A consumer thread's part of a finished tile (its WN / 2 fp32 values of rows r and r + 8,
 // in wgmma's accumulator order) as bf16 into the staged tile at stg, once the send warps have
-// released the previous tile (tile i of this CTA); then arrives on `staged`.
+// released the previous tile (tile i of this CTA); then arrives on `staged`. With half >= 0
+// (of the tile's mainloops; -1: the whole tile at once) one mainloop's columns, at stg + 2 *
+// BN_MMA * half: half 0 waits for the send warps, the last one (last) arrives.
 template <class L, int WN>
 __device__ __forceinline__ void stage_tile(const float (&v)[WN / 2], uint32_t stg, uint32_t staged, uint32_t freed,
-                                           uint32_t i)
+                                           uint32_t i, int half = -1, bool last = true)
 {
-    mbar_wait(freed, (i & 1) ^ 1);                  // the send warps are done with the previous tile
+    if (half <= 0)
+        mbar_wait(freed, (i & 1) ^ 1);              // the send warps are done with the previous tile
+    const uint32_t at = stg + (half > 0 ? 2 * L::BN_MMA * half : 0);
 #pragma unroll
     for (int j = 0; j < WN / 8; ++j) {
-        asm volatile("st.shared.u32 [%0], %1;" :: "r"(stg + j * 16), "r"(pack_bf16(v[4 * j], v[4 * j + 1]))
+        asm volatile("st.shared.u32 [%0], %1;" :: "r"(at + j * 16), "r"(pack_bf16(v[4 * j], v[4 * j + 1]))
                      : "memory");
-        asm volatile("st.shared.u32 [%0], %1;" :: "r"(stg + 8 * L::STG_PITCH + j * 16),
+        asm volatile("st.shared.u32 [%0], %1;" :: "r"(at + 8 * L::STG_PITCH + j * 16),
                      "r"(pack_bf16(v[4 * j + 2], v[4 * j + 3])) : "memory");
     }
-    mbar_arrive(staged);                            // release: the send warps read the tile next
+    if (half < 0 || last)
+        mbar_arrive(staged);                        // release: the send warps read the tile next
 }
 
 // A send warp (warp_rank 0..SEND_WARPS-1): every staged tile of this CTA, its share of the
 // rows, to C (send off: ctx->p3_control < 0 or cfg.n_ranks == 0; 16-byte stores, a row of
 // 2*BN bytes per 2*BN/16 lanes) or to the rows' owners through p3_send_rows (send on), then
-// releases the staging buffer. n_ranks: cfg.n_ranks, as the kernel loads it.
+// releases the staging buffer. n_ranks: cfg.n_ranks, as the kernel loads it. n_cols: read only
+// with L::HALVES > 1 (a narrower last tile: its valid columns only).
 template <class L>
 __device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, int64_t n_ranks, const P3SendCtx *ctx,
                                           uint8_t *c_ptr, uint64_t c_row_stride, uint32_t base, int warp_rank,
-                                          int lane, int total, int n_tiles, int n_experts, int bm, const int *offs)
+                                          int lane, int total, int n_tiles, int n_experts, int bm, const int *offs,
+                                          uint32_t n_cols = 0)
 {
     const bool send = ctx->p3_control >= 0 && n_ranks != 0;        // else the plain GEMM writes C
     // the send-off stores: ROW_LANES lanes (1 << ROW_SHIFT) per row, WARP_ROWS rows per warp and step
@@ -279,12 +301,13 @@ __device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, int64_t n
     uint32_t i = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, L::BN);
+        const int seg = 2 * L::BN_MMA * tile_halves<L>(T, n_cols);     // bytes of each row of the tile
         if (send) {
             // called before the tile is staged: p3_send_rows checks and resolves the rows
             // while the consumers finish the tile, then waits on `staged` (acct.ready)
             if (lane == 0)
                 acct->ready = staged | P3_READY | (i & 1);
-            p3_send_rows(cfg, ctx, acct, stg, L::STG_PITCH, T.m0, T.rows, 2u * T.n0, 2 * L::BN, T.e, warp_rank,
+            p3_send_rows(cfg, ctx, acct, stg, L::STG_PITCH, T.m0, T.rows, 2u * T.n0, seg, T.e, warp_rank,
                          L::SEND_WARPS);
         } else {
             mbar_wait(staged, i & 1);
@@ -298,8 +321,9 @@ __device__ __forceinline__ void send_warp(const P3PeerSendConfig *cfg, int64_t n
                              : "memory");
                 uint8_t *dst = c_ptr + (uint64_t)(T.m0 + r) * c_row_stride + 2u * T.n0 +
                                (WARP_ROWS == 1 ? lane : lane & (ROW_LANES - 1)) * 16;
-                asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
-                             :: "l"(dst), "r"(v0), "r"(v1), "r"(v2), "r"(v3) : "memory");
+                if (L::HALVES == 1 || (WARP_ROWS == 1 ? lane : lane & (ROW_LANES - 1)) * 16 < seg)
+                    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                                 :: "l"(dst), "r"(v0), "r"(v1), "r"(v2), "r"(v3) : "memory");
             }
         }
         __syncwarp();

@@ -13,25 +13,36 @@
 // no setmaxnreg: the send warps need theirs). Warp 0 is the producer: one thread streams, per
 // 128-wide k-block (one scale block), A (BM x 128 bytes), B (128 x 128 bytes) and the tile's
 // activation scales (BM + 4 floats from row m0 rounded down to 4: the tensor memory
-// accelerator traps on an inner coordinate that is not 16-byte aligned) into a 5-stage ring.
-// Warpgroups 1 and 2 are the consumers. BM = 128: each owns 64 rows x 128 columns
+// accelerator traps on an inner coordinate that is not 16-byte aligned) into a 4-stage ring.
+// Tiles are BM x 256 (the last of a row of tiles 128 columns when N is an odd multiple of 128),
+// each computed as two 128-column mainloops one after the other (the 64 accumulators + 64 sums
+// of one per thread), the producer streaming A and B's 128 rows of the first, then the
+// second. Warpgroups 1 and 2 are the consumers. BM = 128: each owns 64 rows x 128 columns
 // (m64n128k32); BM = 64 (decode): each owns the 64 rows x 64 of the columns (m64n64k32).
 // Per k-block a consumer runs its four k32 wgmmas into a fresh accumulator, waits for them,
 // releases the stage and promotes: sum = fma(acc, sa[row] * sb, sum) in fp32 (DeepSeek-V3's
-// promotion every 128 of K, which the scales force anyway). The two warpgroups alternate on
-// the tensor cores: one promotes while the other's wgmmas run. The weights' scale of the tile
-// (one per k-block: the tile's 128 columns are one scale block) is read with ld.global.nc two
-// k-blocks ahead. Rows past an expert's end are computed and masked, as in the bf16 kernel.
+// promotion every 128 of K, which the scales force anyway). The two warpgroups issue their
+// k-blocks in turns (two named barriers, as FlashAttention-3's ping-pong: warpgroup 0's kb,
+// then 1's kb, then 0's kb + 1), so one promotes while the other's wgmmas run. The weights'
+// scale of the mainloop (one per k-block: its 128 columns are one scale block) is read with
+// ld.global.nc two k-blocks ahead. Rows past an expert's end are computed and masked, as in
+// the bf16 kernel.
 //
-// Epilogue: the bf16 kernel's (p3_gemm_send.cu), the same code (p3_gemm_common.cuh), with
-// 128-column tiles: the consumers stage the tile as bf16 (272-byte rows: conflict-free), three
-// send warps store the valid rows into C (send off: ctx->p3_control < 0 or cfg.n_ranks == 0)
-// or send them with p3_send_rows / p3_send_flush (seg_bytes 256 per column tile), overlapped
-// with the next tile's mainloop. The set-up, the producer's A and B loads and a consumer's
-// wgmmas of a k-block are the shared ones too.
+// Epilogue: the bf16 kernel's (p3_gemm_send.cu), the same code (p3_gemm_common.cuh), with its
+// 256-column tiles: the consumers stage each mainloop's 128 columns as bf16 into one 128 x 256
+// staged tile (528-byte rows: conflict-free), three send warps store the valid rows into C
+// (send off: ctx->p3_control < 0 or cfg.n_ranks == 0) or send them with p3_send_rows /
+// p3_send_flush (seg_bytes 512 per tile, 256 for a 128-column last tile), overlapped with the
+// next tile's mainloops. The set-up, the producer's A and B loads and a consumer's wgmmas of
+// a k-block are the shared ones too. Measured against the earlier 128 x 128 tiles (variant
+// tile128): the same C bit for bit; half the p3_send_rows calls per row of C.
 //
 // Variants for measurement only (tools/build_gemm_fp8.py --variant; the shipped PTX is built
 // with none of these macros):
+// - -DP3F_TILE128: the kernel shipped before (up to fbb32ce): 128 x 128 tiles, one mainloop
+//   each, 5 stages, the staged tile 272-byte rows, 256-byte send segments, no turns (-DP3F_TURNS
+//   adds them). The other variants combine with it.
+// - -DP3F_NO_TURNS: the consumers' k-blocks not in turns.
 // - -DP3F_NO_PROMOTE: the tensor cores accumulate all of K with the last k-block's scales
 //   applied once (wrong unless every scale is equal); the difference in time is the cost of
 //   the promotion.
@@ -47,6 +58,8 @@
 //   (the loader's inlined module) the call into it serialises them instead (C7510): linked only.
 // - -DP3F_SEND_WG: 512 threads, four more send warps (warps 12..15, a fourth warpgroup: seven in
 //   all), one accumulator set; setmaxnreg: 160 registers for the consumers, 96 for the rest.
+// Internally P3F_PAIR (the 256-column tiles) is defined unless P3F_TILE128, P3F_PINGPONG (the
+// turns) unless P3F_NO_TURNS or P3F_TILE128 without P3F_TURNS.
 // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
 // allocated, THREADS x the kernel's register count (384 x 168 = 64,512, not 65,536; 512 x 128),
 // so a split over it never completes (it hung once: static_assert below).
@@ -69,19 +82,22 @@
 // TMA-aligned MN-major layout), B e4m3 (E, N, K) (K contiguous), sb float32 (E, N/128, K/128)
 // contiguous, C bf16 rounded to nearest even. Each 128-wide k-block is summed by the tensor
 // cores and promoted into an fp32 sum with its scales (one fma per element and k-block).
-// A persistent grid: CTA b takes tiles b, b + grid, ... of BM x 128 output tiles numbered
-// (expert, m-tile, n-tile), m-tile major. Warp 0 streams k-blocks of A (BM x 128), B (128 x 128)
-// and the activation scales (BM + 4 floats) through tensor maps into a 5-stage mbarrier ring;
-// warpgroups 1 and 2 multiply with wgmma (BM = 128: 64 rows x 128 each; BM = 64: 64 x 64 each)
-// and stage each finished tile as bf16 in shared memory; warps 1..3 (send warps) handle the
-// staged tile while the consumers run the next tile's mainloop. Rows past an expert's end are
-// computed and masked (in DeepGEMM's contiguous layout each span's padding rows are computed
-// and, with the send on, owned by no rank: never sent). Send off (ctx.p3_control < 0 or
-// cfg.n_ranks == 0): 16-byte stores of the valid rows into C. Send on: p3_send_rows by each
-// send warp (warp_rank 0..2 of 3, its own P3SendAcct, 256-byte column tiles; p3_send_flush
-// right after the warp's last tile of each expert; an expert with no rows is flushed empty by
-// send warp 0 of CTA e % grid): the receive buffers and counts then hold exactly what
-// p3_scatter_send writes from that C, and C is not written.
+// A persistent grid: CTA b takes tiles b, b + grid, ... of BM x 256 output tiles (the last of
+// each row of tiles BM x 128 when N is an odd multiple of 128) numbered (expert, m-tile,
+// n-tile), m-tile major, each computed as two 128-column mainloops in turn. Warp 0 streams
+// k-blocks of A (BM x 128), B (128 x 128) and the activation scales (BM + 4 floats) through
+// tensor maps into a 4-stage mbarrier ring; warpgroups 1 and 2 multiply with wgmma (BM = 128:
+// 64 rows x 128 each; BM = 64: 64 x 64 each), issuing their k-blocks in turns (named barriers
+// 1 and 2), and stage each finished mainloop as bf16 into the tile's half of shared memory;
+// warps 1..3 (send warps) handle the staged tile while the consumers run the next tile's.
+// Rows past an expert's end are computed and masked (in DeepGEMM's contiguous layout each
+// span's padding rows are computed and, with the send on, owned by no rank: never sent). Send
+// off (ctx.p3_control < 0 or cfg.n_ranks == 0): 16-byte stores of the valid rows into C. Send
+// on: p3_send_rows by each send warp (warp_rank 0..2 of 3, its own P3SendAcct, 512-byte
+// column tiles, 256 for a last 128-column one; p3_send_flush right after the warp's last tile
+// of each expert; an expert with no rows is flushed empty by send warp 0 of CTA e % grid):
+// the receive buffers and counts then hold exactly what p3_scatter_send writes from that C,
+// and C is not written.
 // PARAMS
 //   off  size  type              name          meaning
 //     0   184  P3PeerSendConfig  cfg           the ABI struct, by value (send_mbx ignored); read by the send only
@@ -94,7 +110,7 @@
 //   228     4  u32               k_dim         K: a positive multiple of 128
 //   232     4  u32               bm            rows per tile: 128, or 64 for few rows per expert (decode)
 // LAUNCH grid (1..number of SMs, 1, 1) (any size is correct; one CTA per SM), block (384, 1, 1),
-// dynamic shared memory 202612 bytes (allow it with CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES);
+// dynamic shared memory 201956 bytes (allow it with CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES);
 // module: this file with ptx/p3_send_rows.ptx appended (minus its .version, .target and
 // .address_size lines), or linked with it.
 // ORDERING C: weak 16-byte stores, visible after the kernel (stream order). The send: as
@@ -109,17 +125,33 @@
 // ---- end ptx/p3_gemm_fp8_send.ptx header ----
 #include "p3_gemm_common.cuh"                     // and ../p3send.h
 
-// 128 columns per tile and 128 e4m3 per k-block (one scale block each), 5 stages; after the
-// staged tile, the stages of activation scales: (BM + 4) floats, 128-byte aligned, each
+#ifndef P3F_TILE128
+#define P3F_PAIR
+#endif
+#if !defined(P3F_NO_TURNS) && (!defined(P3F_TILE128) || defined(P3F_TURNS))
+#define P3F_PINGPONG
+#endif
+
+// 128 columns per mainloop and 128 e4m3 per k-block (one scale block each); after the staged
+// tile, the stages of activation scales: (BM + 4) floats, 128-byte aligned, each
 constexpr int SA_STAGE = 640;
-#ifdef P3F_SEND_WG
-using Layout = GemmLayout<128, 128, 1, 5, 5 * SA_STAGE, 7, 512>;
-static_assert(Layout::SMEM == 202612 + 4 * 48, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
+constexpr int SBLK = 128;                         // the weights' scale blocks: SBLK x SBLK
+#if defined(P3F_PAIR)
+// two 128-column mainloops per 128 x 256 tile, staged together (528-byte rows) and sent as
+// 512-byte segments: 4 stages
+constexpr int P3F_BN = 256, P3F_STAGES = 4, P3F_SMEM = 201956;
+#else
+constexpr int P3F_BN = 128, P3F_STAGES = 5, P3F_SMEM = 202612;
+#endif
+#if defined(P3F_SEND_WG)
+using Layout = GemmLayout<P3F_BN, 128, 1, P3F_STAGES, P3F_STAGES * SA_STAGE, 7, 512, 128>;
+static_assert(Layout::SMEM == P3F_SMEM + 4 * 48, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
 #define P3F_REGS_PRODUCER 96
 #define P3F_REGS_CONSUMER 160
 #else
-using Layout = GemmLayout<128, 128, 1, 5, 5 * SA_STAGE>;
-static_assert(Layout::SMEM == 202612, "the dynamic shared memory of the PTX header's LAUNCH and of GroupedGemmFp8Send");
+using Layout = GemmLayout<P3F_BN, 128, 1, P3F_STAGES, P3F_STAGES * SA_STAGE, 3, 384, 128>;
+// the shipped kernel's: its PTX header's LAUNCH and GroupedGemmFp8Send.SMEM (tile128's: the bench)
+static_assert(Layout::SMEM == P3F_SMEM, "the dynamic shared memory of the PTX header's LAUNCH and of GroupedGemmFp8Send");
 #endif
 #if defined(P3F_DUAL) || defined(P3F_SEND_WG)
 #define P3F_SET_REGS
@@ -167,6 +199,60 @@ template <> __device__ __forceinline__ void wgmma_kstep<64>(float (&d)[32], uint
 #define P3F_CONSUMER_INLINE __device__ __forceinline__
 #endif
 
+#ifdef P3F_PINGPONG
+// The consumers' turns (P3F_PINGPONG): named barrier TURN + w, 256 threads (warpgroup w waits
+// on it, the other warpgroup arrives), means "warpgroup w may issue its next k-block". Barrier 0
+// is __syncthreads; p3_send_rows uses none. Immediate ids (a register id reserves all 16).
+constexpr int TURN = 1;
+__device__ __forceinline__ void turn_wait(int w)
+{
+    if (w == 0)
+        asm volatile("bar.sync %0, 256;" :: "n"(TURN) : "memory");
+    else
+        asm volatile("bar.sync %0, 256;" :: "n"(TURN + 1) : "memory");
+}
+__device__ __forceinline__ void turn_give(int w)
+{
+    if (w == 0)
+        asm volatile("bar.arrive %0, 256;" :: "n"(TURN) : "memory");
+    else
+        asm volatile("bar.arrive %0, 256;" :: "n"(TURN + 1) : "memory");
+}
+#endif
+
+// A consumer's wgmmas of one k-block (mma_kblock: a fresh accumulator), in its warpgroup's turn
+// with P3F_PINGPONG: warpgroup w waits for turn w, issues, gives the other its turn.
+template <int WN>
+__device__ __forceinline__ void issue(float (&acc)[WN / 2], uint32_t base, uint32_t full, uint32_t s, uint32_t ph,
+                                      uint32_t a_off, uint32_t b_off, int wg)
+{
+#ifdef P3F_PINGPONG
+    turn_wait(wg);
+#endif
+    mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);
+#ifdef P3F_PINGPONG
+    turn_give(wg ^ 1);
+#endif
+}
+
+// The turns' first and last (P3F_PINGPONG; nothing without): warpgroup 1 gives warpgroup 0 the
+// first turn, warpgroup 0 takes the turn warpgroup 1 gives after its last k-block, so every
+// give meets a wait and none is pending at exit. Only in a CTA with tiles (has).
+__device__ __forceinline__ void turns_begin(int wg, bool has)
+{
+#ifdef P3F_PINGPONG
+    if (wg == 1 && has)
+        turn_give(0);
+#endif
+}
+__device__ __forceinline__ void turns_end(int wg, bool has)
+{
+#ifdef P3F_PINGPONG
+    if (wg == 0 && has)
+        turn_wait(0);
+#endif
+}
+
 // Where a consumer thread works (both consumers): its warpgroup's rows of the A or B stage
 // (a_off, b_off: with WN 128 the two warpgroups split the tile's rows, else its columns), its
 // tile rows (r0 and r0 + 8), the pipeline's mbarriers and its place in the staged bf16 tile.
@@ -202,9 +288,19 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
     const int r0 = at.r0;
     const uint32_t full = at.full, empty = at.empty, staged = at.staged, freed = at.freed, stg = at.stg;
     uint32_t s = 0, ph = 0, i = 0;
+#ifdef P3F_PINGPONG
+    turns_begin(wg, (int)blockIdx.x < total);
+#endif
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
-        const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / Layout::BN) * kblocks;
+#ifdef P3F_PAIR
+        const int halves = min(Layout::HALVES, n_col_blocks - T.n0 / SBLK);
+#pragma unroll 1
+        for (int h = 0; h < halves; ++h) {          // the tile's column blocks, one mainloop each
+        const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK + h) * kblocks;
+#else
+        const float *sbt = sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK) * kblocks;
+#endif
         float sb_cur = __ldg(sbt), sb_next = kblocks > 1 ? __ldg(sbt + 1) : 0.0f;
 #pragma unroll
         for (int j = 0; j < WN / 2; ++j)
@@ -216,6 +312,8 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
         for (int kb = 0; kb < kblocks; ++kb) {
 #ifdef P3F_NO_PROMOTE
             mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, kb);
+#elif defined(P3F_PINGPONG)
+            issue<WN>(acc, base, full, s, ph, a_off, b_off, wg);              // a fresh sum per k-block
 #else
             mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);   // a fresh sum per k-block
 #endif
@@ -270,8 +368,16 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
             sum[4 * j + 3] = acc[4 * j + 3] * s1;
         }
 #endif
+#ifdef P3F_PAIR
+        stage_tile<Layout, WN>(sum, stg, staged, freed, i, h, h + 1 == halves);
+        }
+#else
         stage_tile<Layout, WN>(sum, stg, staged, freed, i);
+#endif
     }
+#ifdef P3F_PINGPONG
+    turns_end(wg, (int)blockIdx.x < total);
+#endif
 }
 
 #ifdef P3F_DUAL
@@ -339,9 +445,17 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
     const int r0 = at.r0;
     const uint32_t full = at.full, empty = at.empty, staged = at.staged, freed = at.freed, stg = at.stg;
     uint32_t s = 0, ph = 0, i = 0;
+    turns_begin(wg, (int)blockIdx.x < total);
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
-        ScaleB sbk(sb + ((size_t)T.e * n_col_blocks + T.n0 / Layout::BN) * kblocks, kblocks);
+#ifdef P3F_PAIR
+        const int halves = min(Layout::HALVES, n_col_blocks - T.n0 / SBLK);
+#pragma unroll 1
+        for (int h = 0; h < halves; ++h) {          // the tile's column blocks, one mainloop each
+        ScaleB sbk(sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK + h) * kblocks, kblocks);
+#else
+        ScaleB sbk(sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK) * kblocks, kblocks);
+#endif
         const uint32_t sa_row = 4 * (r0 + (T.m0 & 3));
 #pragma unroll
         for (int j = 0; j < WN / 2; ++j)
@@ -353,14 +467,14 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
             s1 = from + 1 == Layout::STAGES ? 0 : from + 1;
             ph1 = from + 1 == Layout::STAGES ? from_ph ^ 1 : from_ph;
         };
-        mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);
+        issue<WN>(acc, base, full, s, ph, a_off, b_off, wg);
         int kb = 0;
         for (; kb + 2 < kblocks; kb += 2) {
             next(s, ph);
-            mma_kblock<Layout, WN>(acc2, base, full, s1, ph1, a_off, b_off, 0);
+            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg);
             promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
             next(s1, ph1);
-            mma_kblock<Layout, WN>(acc, base, full, s1, ph1, a_off, b_off, 0);
+            issue<WN>(acc, base, full, s1, ph1, a_off, b_off, wg);
             promote<1, WN>(acc2, sum, base, empty, s1 == 0 ? Layout::STAGES - 1 : s1 - 1, sa_row,
                            sbk.take(kb + 1), lane);
             s = s1;
@@ -368,7 +482,7 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         }
         next(s, ph);
         if (kb + 1 < kblocks) {                 // two k-blocks left
-            mma_kblock<Layout, WN>(acc2, base, full, s1, ph1, a_off, b_off, 0);
+            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg);
             promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
             promote<0, WN>(acc2, sum, base, empty, s1, sa_row, sbk.take(kb + 1), lane);
             next(s1, ph1);
@@ -377,8 +491,14 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         }
         s = s1;
         ph = ph1;
+#ifdef P3F_PAIR
+        stage_tile<Layout, WN>(sum, stg, staged, freed, i, h, h + 1 == halves);
+        }
+#else
         stage_tile<Layout, WN>(sum, stg, staged, freed, i);
+#endif
     }
+    turns_end(wg, (int)blockIdx.x < total);
 }
 
 #endif
@@ -402,7 +522,8 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
     const int n_experts = (int)ctx->n_experts;
     if (!gemm_setup<Layout>(base, tid, offs, n_experts, n_cols, k_dim, bm))
         return;                                     // the launcher refuses these before launch
-    const int n_tiles = (int)(n_cols / Layout::BN), kblocks = (int)(k_dim / Layout::BK);
+    // tiles per row of tiles: the last may be narrower (HALVES > 1; n_cols a multiple of BN_MMA)
+    const int n_tiles = (int)((n_cols + Layout::BN - Layout::BN_MMA) / Layout::BN), kblocks = (int)(k_dim / Layout::BK);
     const int total = mpre[n_experts] * n_tiles;
 
 #ifdef P3F_SET_REGS
@@ -428,12 +549,12 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
             if (Layout::THREADS == 384 || Layout::send_rank(warp) >= 0)
                 send_warp<Layout>(&cfg, n_ranks, ctx, c_ptr, c_row_stride, base,
                                   Layout::THREADS == 384 ? warp - 1 : Layout::send_rank(warp), lane, total, n_tiles,
-                                  n_experts, (int)bm, offs);
+                                  n_experts, (int)bm, offs, n_cols);
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(P3F_REGS_CONSUMER));
         const int wg = warp / 4 - 1, wq = warp % 4;
-        const int ncb = (int)(n_cols / Layout::BN);
+        const int ncb = (int)(n_cols / SBLK);
         if (bm == 128)
             P3F_CONSUMER<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
         else
@@ -458,10 +579,10 @@ p3_gemm_fp8_send(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *
         int64_t n_ranks;                            // cfg.n_ranks, loaded as [cfg+88] (tools/build_gemm_fp8.py names it)
         asm("ld.param.s64 %0, [p3_gemm_fp8_send_param_0+88];" : "=l"(n_ranks));
         send_warp<Layout>(&cfg, n_ranks, ctx, c_ptr, c_row_stride, base, warp - 1, lane, total, n_tiles, n_experts,
-                          (int)bm, offs);
+                          (int)bm, offs, n_cols);
     } else {
         const int wg = warp / 4 - 1, wq = warp % 4;
-        const int ncb = (int)(n_cols / Layout::BN);
+        const int ncb = (int)(n_cols / SBLK);
         if (bm == 128)
             consumer<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
         else

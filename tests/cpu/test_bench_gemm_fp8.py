@@ -58,3 +58,17 @@ def test_the_timed_variants_are_buildable_and_skippable_by_label():
     build = tool_module("build_gemm_fp8")
     for name, (label, _, _) in gemm_fp8.SHAPE_VARIANTS.items():
         assert name in build.VARIANTS and "," not in label and label.startswith(f"{name}: ")
+
+
+def test_a_variant_built_from_another_source_is_left_out(tmp_path, monkeypatch):
+    """A variant file whose header is not the shipped PTX's (built before the source changed:
+    its launch shape may differ from what the bench gives it) is not timed, and is named."""
+    from p3send.cuda import loader
+    shipped = (loader.ptx_dir() / "p3_gemm_fp8_send.ptx").read_text()
+    (tmp_path / "p3_gemm_fp8_send.fresh.ptx").write_text(shipped)
+    (tmp_path / "p3_gemm_fp8_send.stale.ptx").write_text("// an older header\n" + shipped)
+    monkeypatch.setenv(gemm_fp8.VARIANTS_ENV, str(tmp_path))
+    monkeypatch.setattr(gemm_fp8, "STALE", {})
+    assert gemm_fp8._variant("fresh") == shipped
+    assert gemm_fp8._variant("stale") is None and "p3_gemm_fp8_send.stale.ptx" in gemm_fp8.STALE
+    assert gemm_fp8._variant("absent") is None and len(gemm_fp8.STALE) == 1

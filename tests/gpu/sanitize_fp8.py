@@ -1,7 +1,7 @@
 """Small runs of the FP8 kernels for compute-sanitizer (memcheck, racecheck): the quantiser on
 edge blocks, and the FP8 grouped GEMM gated and fused at a reduced shape (both tile heights,
-both layouts). Exits non-zero if a result is wrong; the sanitizer's --error-exitcode reports
-memory errors and races.
+both layouts, a full and a narrow column tile). Exits non-zero if a result is wrong; the
+sanitizer's --error-exitcode reports memory errors and races.
 
     compute-sanitizer --tool memcheck --error-exitcode 99 python -m tests.gpu.sanitize_fp8
 """
@@ -24,8 +24,9 @@ def main() -> int:
     want_q, want_s = fp8.quantize(xb)
     assert np.array_equal(q, want_q) and np.array_equal(s[:, :9].T, want_s.view(np.uint32))
     print("quant ok", flush=True)
+    # 384 columns: a 256-column tile (two mainloops, the consumers' turns) and a 128-column last one
     for i, (family, bm, align) in enumerate((("masked_experts", 128, 128), ("skewed", 64, 1))):
-        prob = Fp8Problem(family, 4242 + i, n_cols=128, k_dim=256, align=align)
+        prob = Fp8Problem(family, 4242 + i, n_cols=384, k_dim=256, align=align)
         gated_then_fused(dev, prob, bm, check_c)
         print("gemm fp8 ok", prob.case, f"bm={bm}", flush=True)
     print("sanitize fp8 cases: all results correct")

@@ -205,6 +205,20 @@ def test_fused_equals_gated_then_scatter_send(hopper, family, align):
     assert_fused_equals_gated_then_scatter_send(hopper, prob, c, bm, rng)
 
 
+@pytest.mark.parametrize("n_cols", [128, 384, 640])
+@pytest.mark.parametrize("bm", [64, 128])
+def test_narrow_last_column_tile(hopper, n_cols, bm):
+    """N an odd multiple of 128: the last tile of each row of 256-column tiles is 128 columns (one
+    mainloop, 256-byte send segments) beside full ones; C (its row padding untouched) and the
+    fused send exact."""
+    seed = fresh_seed(f"gemm fp8 columns {n_cols} bm {bm}")
+    rng = np.random.default_rng(seed)
+    prob = Fp8Problem("skewed", seed, n_cols=n_cols, k_dim=256, align=128)
+    c = _gated(hopper, prob, bm)
+    check_c(prob, c)
+    assert_fused_equals_gated_then_scatter_send(hopper, prob, c, bm, rng)
+
+
 @pytest.mark.parametrize("rows_per_expert", [(63, 64, 65, 0, 127), (128, 129, 1, 255, 256, 257)])
 @pytest.mark.parametrize("bm", [64, 128])
 def test_tile_edges(hopper, rows_per_expert, bm):
