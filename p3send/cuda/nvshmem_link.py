@@ -119,7 +119,7 @@ def shipped_module(entry: str) -> tuple[str, str]:
     if not path.is_file():
         raise NvshmemUnavailable(f"no shipped PTX named {entry!r} in {ptx_dir()}")
     siblings = [(p.name, p.read_text()) for p in sorted(ptx_dir().glob("*.ptx")) if p != path]
-    text = ptxdoc.module_text(path.read_text(), siblings)
+    text = ptxdoc.module_text(path.read_text(), siblings, nvshmem=True)    # the put path's regions kept
     return path.name, re.sub(r"\.visible(\s+\.func\b)", r"\1", text)
 
 
