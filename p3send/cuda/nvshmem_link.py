@@ -26,8 +26,11 @@ INSTALL = f"pip install 'p3send[nvshmem]' (it pins {NVSHMEM_WHEEL}=={NVSHMEM_VER
 SHIM = "nvshmem/p3_nvshmem_shim.ptx"
 #: The architectures the link is tested for (the shim is sm_90 PTX; a newer arch JIT-compiles it).
 ARCHS = ("sm_90", "sm_100")
-#: The shipped modules that send (each links with the shim once it has the put path).
-SENDERS = ("p3_scatter_send", "p3_epilogue_send", "p3_gemm_send", "p3_gemm_fp8_send")
+#: The shipped modules that send; each links with the shim. Those that call p3_send_rows hold its
+#: put path (its NVSHMEM regions, kept by ``shipped_module``); p3_scatter_send has none (the
+#: transport sends through p3_scatter_send_fp8 on either wire).
+SENDERS = ("p3_scatter_send", "p3_scatter_send_fp8", "p3_epilogue_send", "p3_gemm_send", "p3_gemm_fp8_send")
+PUT_PATH = ("p3_scatter_send_fp8", "p3_epilogue_send", "p3_gemm_send", "p3_gemm_fp8_send")
 
 
 class NvshmemUnavailable(P3SendError, RuntimeError):
@@ -106,8 +109,9 @@ def shim_text() -> str:
 
 
 def shipped_module(entry: str) -> tuple[str, str]:
-    """(file name, PTX text) of the shipped module ``entry``, assembled as the loader assembles it:
-    the linkable functions it calls (p3_send_rows.ptx's) appended, and given internal linkage
+    """(file name, PTX text) of the shipped module ``entry``, assembled as the loader assembles it
+    but with the NVSHMEM transport's regions kept (the put path, calling the shim): the linkable
+    functions it calls (p3_send_rows.ptx's) appended, and given internal linkage
     (``.func``). nvJitLink compiles its inputs relocatably, so a ``.visible .func`` stays a real
     call there: in the GEMMs p3_send_rows then needs more registers than the entry's budget and
     the link fails. Internal, ptxas may inline them as the driver's whole-program JIT does.

@@ -176,6 +176,10 @@ class ScatterSend(SendLauncher):
         num_sms: the SM budget, as ``set_num_sms`` (default None: every SM).
         threads: threads per CTA of the persistent launch, a multiple of 32 in 32..1024
             (default 1024); a smaller CTA is also the tile launch's CTA.
+        transport: a ``p3send.ops.nvshmem.NvshmemTransport``: every send (either wire) then
+            goes through ``p3_scatter_send_fp8`` linked with the NVSHMEM shim, with
+            ``FLAG_NVSHMEM`` (rows for ranks outside this NVLink domain by puts; docs/SCALING.md
+            section 5), the transport's block after the sender state. None (default): none.
     """
 
     THREADS = 1024
@@ -350,6 +354,9 @@ class ScatterSend(SendLauncher):
             if not fp8 and cfg.msg_bytes % 512:
                 problems.append(f"msg_bytes: the bf16 wire through the transport (p3_scatter_send_fp8's 256-column "
                                 f"tiles) needs a multiple of 512, got {cfg.msg_bytes}")
+            if into is not None and into.kernel is not self.fp8_kernel():
+                problems.append("into: the NVSHMEM transport sends with its own p3_scatter_send_fp8, linked with the "
+                                "shim: expected a block of fp8_kernel() (another module has no put path)")
             flags |= self.transport.flags
         if problems:
             raise ConfigError(problems, "scatter-send launch")
@@ -391,6 +398,8 @@ class EpilogueSend(SendLauncher):
         epilogue_warps: warps converting the accumulators, >= 1 (default 2); at most 8
             warps in all.
         grid: CTAs per launch (default: as many as fit, the occupancy times the SM count).
+        transport: a ``p3send.ops.nvshmem.NvshmemTransport``: the kernel linked with the NVSHMEM
+            shim and ``FLAG_NVSHMEM`` on every send (as ``ScatterSend``); None (default): none.
     """
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, bm: int = 16, bn: int = 1024,

@@ -71,11 +71,99 @@ SHIPPED = [(e, a) for e in nvshmem_link.SENDERS
 @needs_wheel
 @pytest.mark.parametrize("entry, arch", SHIPPED, ids=[f"{e}-{a}" for e, a in SHIPPED])
 def test_every_shipped_sender_links_with_the_shim_and_the_device_library(entry, arch):
-    # none calls the shim yet: this is the link the put path will need, with no symbol clash
+    # the put path of p3_send_rows (its NVSHMEM regions) calls the shim's put, signal and quiet;
+    # their weak stubs give way to the shim's definitions
     name, text = nvshmem_link.shipped_module(entry)
     assert ".visible .func" not in text and f".visible .entry {entry}(" in text
+    put_path = entry in nvshmem_link.PUT_PATH
+    assert (ptxdoc.NVSHMEM_ONLY_BEGIN in text) == put_path
     image, _ = nvshmem_link.link_cubin([(name, text)], arch)
     assert image[:4] == b"\x7fELF" and entry.encode() in image and b"nvshmemi_device_state_d" in image
+    for fn in (b"p3_nvshmem_put_warp", b"p3_nvshmem_signal", b"p3_nvshmem_quiet"):
+        assert (fn in image) == put_path, fn
+    if put_path:   # the shim's code, not the stub's (a trap): the put is NVSHMEM's, thousands of bytes
+        assert _text_section_size(image, "p3_nvshmem_put_warp") > 1000
+
+
+def _text_section_size(image: bytes, func: str) -> int:
+    """The size of the cubin's ``.text.<func>`` section (ELF64 section headers)."""
+    import struct
+    shoff = struct.unpack_from("<Q", image, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", image, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)]
+    names = secs[shstrndx][4]
+    for sec in secs:
+        end = image.index(b"\0", names + sec[0])
+        if image[names + sec[0]:end].decode() == f".text.{func}":
+            return sec[5]
+    return 0
+
+
+@needs_wheel
+def test_linked_alone_the_send_rows_file_keeps_its_weak_stubs():
+    # p3_send_rows.ptx links on its own (EMBEDDING.md): its stubs trap if the flag is set there
+    rows = (ROOT / "ptx" / "p3_send_rows.ptx").read_text()
+    assert rows.count(".weak .func p3_nvshmem_") == 3
+    r = ptxlint.assemble(rows, "p3_send_rows.ptx", "sm_90")
+    assert r.ok, r.error
+
+
+# ---------------------------------------------------------------- the text without the transport
+
+def test_every_default_loaded_text_holds_no_put_path():
+    """What the loaders build for a module loaded without the transport: no NVSHMEM region, no
+    shim call, no weak stub (the cubins are those of the text before the put path was added)."""
+    from p3send.cuda.loader import ptx_dir
+    from p3send.ops import gemm as gemm_mod
+    texts = {}
+    for path in sorted(ptx_dir().glob("*.ptx")):
+        sib = [(p.name, p.read_text()) for p in sorted(ptx_dir().glob("*.ptx")) if p != path]
+        texts[path.name] = ptxdoc.module_text(path.read_text(), sib)
+    for entry in ("p3_gemm_send", "p3_gemm_fp8_send"):
+        texts[f"{entry} bf16-only"] = gemm_mod.module_text(entry, bf16_only=True)
+        texts[f"{entry} fp8"] = gemm_mod.module_text(entry)
+    for name, text in texts.items():
+        assert "p3_nvshmem" not in text and "NVSHMEM ONLY" not in text and "//DIRECT" not in text, name
+        assert "and.b32             %t2, %t1, 96;" not in text, name
+    assert "p3_nvshmem_put_warp" in nvshmem_link.shipped_module("p3_scatter_send_fp8")[1]
+
+
+def test_the_loaders_link_of_the_shipped_send_rows_is_without_the_put_path(monkeypatch):
+    from p3send.cuda import driver, loader
+    seen = []
+
+    def fake_link(pairs, options, libraries):
+        seen.extend(pairs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(driver, "link_ptx", fake_link)
+    dev = types.SimpleNamespace(activate=lambda: None)
+    with pytest.raises(RuntimeError, match="stop here"):
+        loader.link(["p3_send_rows"], device=dev)
+    (name, text), = seen
+    assert name == "p3_send_rows.ptx" and "p3_nvshmem" not in text and ".visible .func p3_send_rows(" in text
+
+
+@pytest.mark.parametrize("name, alt", sorted(ptxdoc.REGIONS.items()))
+def test_a_region_is_dropped_and_its_alternative_lines_restored(name, alt):
+    other = next(n for n in ptxdoc.REGIONS if n != name)
+    text = (f"a\n// {name} ONLY {{\n    x;\n    {alt}y %msg;\n// {name} ONLY }}\n"
+            f"// {other} ONLY {{\n    z;\n// {other} ONLY }}\nb")
+    assert ptxdoc.without_region(text, name) == f"a\n    y %msg;\n// {other} ONLY {{\n    z;\n// {other} ONLY }}\nb"
+    assert ptxdoc.without_region("no markers\n", name) == "no markers\n"
+
+
+@pytest.mark.parametrize("text, match", [("// NVSHMEM ONLY {\n// NVSHMEM ONLY {\n", "inside another"),
+                                         ("// NVSHMEM ONLY }\n", "without a begin"),
+                                         ("// NVSHMEM ONLY {\n", "never closed")])
+def test_unbalanced_nvshmem_markers_are_refused(text, match):
+    with pytest.raises(ValueError, match=match):
+        ptxdoc.without_nvshmem(text)
+
+
+def test_an_unknown_region_name_is_refused():
+    with pytest.raises(ConfigError, match=r"name: expected one of FP8, NVSHMEM, got 'FP16'"):
+        ptxdoc.without_region("", "FP16")
 
 
 @needs_wheel
