@@ -79,10 +79,10 @@ def test_every_shipped_sender_links_with_the_shim_and_the_device_library(entry, 
     assert (ptxdoc.NVSHMEM_ONLY_BEGIN in text) == put_path
     image, _ = nvshmem_link.link_cubin([(name, text)], arch)
     assert image[:4] == b"\x7fELF" and entry.encode() in image and b"nvshmemi_device_state_d" in image
-    for fn in (b"p3_nvshmem_put_warp", b"p3_nvshmem_signal", b"p3_nvshmem_quiet"):
+    for fn in (b"p3_nvshmem_put_rows_warp", b"p3_nvshmem_signal", b"p3_nvshmem_quiet"):
         assert (fn in image) == put_path, fn
     if put_path:   # the shim's code, not the stub's (a trap): the put is NVSHMEM's, thousands of bytes
-        assert _text_section_size(image, "p3_nvshmem_put_warp") > 1000
+        assert _text_section_size(image, "p3_nvshmem_put_rows_warp") > 1000
 
 
 def _text_section_size(image: bytes, func: str) -> int:
@@ -127,7 +127,7 @@ def test_every_default_loaded_text_holds_no_put_path():
         assert not [s for s in text.splitlines() if s.strip() in (ptxdoc.NVSHMEM_ONLY_BEGIN, ptxdoc.NVSHMEM_ONLY_END)
                     or s.strip().startswith("//DIRECT")], name
         assert "p3_nvshmem" not in code(text) and "%nvs" not in code(text), name
-    assert "p3_nvshmem_put_warp" in code(nvshmem_link.shipped_module("p3_scatter_send_fp8")[1])
+    assert "p3_nvshmem_put_rows_warp" in code(nvshmem_link.shipped_module("p3_scatter_send_fp8")[1])
 
 
 def test_the_loaders_link_of_the_shipped_send_rows_is_without_the_put_path(monkeypatch):
@@ -212,7 +212,7 @@ def test_the_shim_builder_refuses_a_referenced_path_dependent_global():
 def test_the_shim_header_documents_every_function_it_defines():
     text = SHIM.read_text()
     defined = set(re.findall(r"^\.visible \.func\s+(?:\([^)]*\)\s*)?(p3_nvshmem_\w+)\(", text, re.M))
-    assert defined == {"p3_nvshmem_put_signal_warp", "p3_nvshmem_put_warp", "p3_nvshmem_signal",
+    assert defined == {"p3_nvshmem_put_signal_warp", "p3_nvshmem_put_warp", "p3_nvshmem_put_rows_warp", "p3_nvshmem_signal",
                        "p3_nvshmem_fence", "p3_nvshmem_quiet", "p3_nvshmem_ptr", "p3_nvshmem_my_pe",
                        "p3_nvshmem_n_pes"}
     head = text[:text.index(".version")]

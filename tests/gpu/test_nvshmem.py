@@ -17,17 +17,19 @@ import numpy as np
 import pytest
 
 from p3send.abi.config import rank_config
+from p3send.abi.layout import NOT_ARRIVED
 from p3send.cuda import driver
 from p3send.cuda.nvshmem_link import NvshmemUnavailable
 from p3send.ops import nvshmem
 from p3send.ops.exchange import ProcessExchange
 from p3send.ops.procs import run_ranks
+from p3send.ops.recv import RecvReduce
 from p3send.ops.send import EpilogueSend, ScatterSend
 from p3send.abi.wire import wire_msg_bytes
 from p3send.oracle import dispatch as dispatch_ref
 from p3send.oracle import reference as ref
 from p3send.oracle import wire as wire_ref
-from p3send.oracle.cases import SendCase, epilogue_case, send_case
+from p3send.oracle.cases import SendCase, epilogue_case, send_case, world_case
 from p3send.oracle.reference import f32_to_bf16
 
 from .conftest import GUARD, first_diff, fresh_seed
@@ -490,6 +492,8 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
     interleaved, medians after warm-up; both checked byte-exact."""
     case = prefill_case(fresh_seed(f"nvshmem self-put timing {wire}"), wire)
     r = TransportRound(world, case, wire, p2p_world_size=1, all_puts=True)
+    # the same linked module with FLAG_NVSHMEM alone: this rank is in its domain, so direct stores
+    lk = TransportRound(world, case, wire, p2p_world_size=1, all_puts=False)
     direct = ScatterSend(case.n_experts, device=world.device)
     d_recv = driver.DeviceBuffer(r.rbytes + 2 * GUARD, fill=SENTINEL)
     d_counts = driver.DeviceBuffer(8 * (r.n_slots + 4), fill=0xFF)
@@ -501,11 +505,12 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
                          wire=wire)
     reps, warm = 10, 3
     try:
-        times = {"put": [], "direct": []}
+        times = {"put": [], "direct": [], "linked": []}
         start, end = driver.Event(), driver.Event()
-        launch = {"put": r.launch, "direct": lambda: direct.launch(r.stream, blk)}
+        launch = {"put": r.launch, "direct": lambda: direct.launch(r.stream, blk),
+                  "linked": lambda: lk.sender.launch(r.stream, lk.block)}
         for i in range(warm + reps):
-            for mode in ("put", "direct"):
+            for mode in ("put", "direct", "linked"):
                 start.record(r.stream)
                 launch[mode]()
                 end.record(r.stream)
@@ -522,15 +527,71 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
         r.stream.synchronize()
         assert np.array_equal(d_recv.download(), want[0][0]), "direct-store round"
         assert np.array_equal(d_counts.download(np.uint64), want[1][0]), "direct-store counts"
-        put, dst = float(np.median(times["put"])), float(np.median(times["direct"]))
+        lk.arm()
+        lk.launch()
+        assert_round_exact(lk, lk.read(), want, "timed shape, linked module, direct stores")
+        put, dst, lnk = (float(np.median(times[m])) for m in ("put", "direct", "linked"))
         nbytes = case.c.shape[0] * case.msg_bytes
         print(f"[nvshmem] shipped scatter send, {wire} wire, {case.c.shape[0]} rows x {case.msg_bytes} B "
               f"({nbytes / 1e6:.1f} MB): self-put {put:.1f} us ({nbytes / put / 1e3:.0f} GB/s), direct {dst:.1f} us "
-              f"({nbytes / dst / 1e3:.0f} GB/s), put/direct {put / dst:.3f} (median of {reps}; min put "
-              f"{min(times['put']):.1f}, min direct {min(times['direct']):.1f})")
+              f"({nbytes / dst / 1e3:.0f} GB/s), put/direct {put / dst:.3f}; the linked module's direct stores "
+              f"{lnk:.1f} us, put/linked-direct {put / lnk:.3f} (median of {reps}; min put {min(times['put']):.1f}, "
+              f"min direct {min(times['direct']):.1f}, min linked {min(times['linked']):.1f})")
         assert put <= 2.0 * dst, f"the self-put round took {put / dst:.2f}x the direct-store round"
     finally:
         direct.close()
         for b in (d_recv, d_counts, rtab, src):
+            b.free()
+        lk.free()
+        r.free()
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8"])
+def test_the_receive_reduces_a_self_put_round_exactly(world, wire):
+    """A one-rank EP world (``world_case``): its C sent through the put path to itself
+    (FLAG_NVSHMEM_ALL), byte-exact, then p3_recv_reduce(_fp8) on the symmetric buffer and counts:
+    the output bit-exact against the reference reduce of the oracle's slots, the counts re-armed."""
+    seed = fresh_seed(f"nvshmem self-put receive {wire}")
+    hidden, tokens, top_k, n_local = 1024, 96, 4, 4
+    wc = world_case(n_ranks=1, tokens=tokens, top_k=top_k, n_local=n_local, hidden=hidden, seed=seed, masked=0.1)
+    rd = wc.ranks[0]
+    msg = wire_msg_bytes(hidden, wire)
+    rows = rd.c.shape[0]
+    c = wire_ref.encode(rd.c) if wire == "fp8" else rd.c.view(np.uint8).reshape(rows, 2 * hidden)
+    case = SendCase(f"world/{wire}", seed, 1, 1, top_k, msg, tokens, 0, rd.expert_offsets.astype(np.int32),
+                    rd.range_table, rd.src_info.astype(np.int32), c)
+    case.c_send = rd.c
+    r = TransportRound(world, case, wire, p2p_world_size=1, all_puts=True)
+    rv = RecvReduce(device=world.device, wire=wire)
+    bufs = [driver.DeviceBuffer.from_array(rd.topk_idx), driver.DeviceBuffer.from_array(rd.weights),
+            driver.DeviceBuffer(2 * GUARD + 2 * tokens * hidden, fill=SENTINEL)]
+    topk_b, w_b, out = bufs
+    try:
+        r.arm()
+        r.launch()
+        want = r.want()
+        assert_round_exact(r, r.read(), want, "send")
+        rv.prepare(r.cfg, r.recv.ptr + GUARD, r.counts.ptr + 16, topk_b, w_b, out.ptr + GUARD, n_tokens=tokens,
+                   n_experts=n_local, timeout_ns=2_000_000_000, hidden=hidden, wire=wire)
+        rv.launch(r.stream)
+        r.stream.synchronize()
+        rec = rv.record()
+        assert not rec["rejected"] and rec["timeouts"] == 0, rec
+        slots = want[0][0][GUARD:GUARD + tokens * top_k * msg]
+        values = wire_ref.decode(slots.reshape(tokens * top_k, msg), hidden).reshape(tokens, top_k, hidden) \
+            if wire == "fp8" else ref.bf16_slot_values(slots, tokens, top_k, hidden)
+        expect = ref.reduce_bits(values, rd.topk_idx, rd.weights, n_local, 1)
+        raw = out.download()
+        got = raw[GUARD:GUARD + 2 * tokens * hidden].view(np.uint16).reshape(tokens, hidden)
+        assert (raw[:GUARD] == SENTINEL).all() and (raw[GUARD + 2 * tokens * hidden:] == SENTINEL).all()
+        bad = np.nonzero(got != expect)
+        assert not len(bad[0]), f"{case}: {len(bad[0])} outputs differ, first at token {bad[0][0]} col {bad[1][0]}"
+        counts = r.counts.download(np.uint64)
+        assert (counts[2:-2] == NOT_ARRIVED).all() and (counts[:2] == ALL_ONES).all(), "counts not re-armed"
+        print(f"[nvshmem] receive of a self-put round, {wire}: {tokens} tokens x top_k {top_k}, hidden {hidden}: "
+              f"bit-exact, record {rec}")
+    finally:
+        rv.close()
+        for b in bufs:
             b.free()
         r.free()
