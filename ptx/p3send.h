@@ -160,16 +160,20 @@ typedef struct P3SendCtx {
  * follows the sender state: at state_ptr + 40*n_experts, so neither P3SendCtx nor an entry's
  * parameters change. Rows for rank r outside this rank's NVLink domain (r / p2p_world_size !=
  * my_rank / p2p_world_size; every rank with P3_FLAG_NVSHMEM_ALL) are stored to their staging row
- * (staging + row*msg_bytes, row < staging_rows, else dropped as diag[0]) and put from there to
+ * (staging + row*msg_bytes, row < staging_rows, else dropped as diag[0]; bf16 rows to a PE of
+ * tile_src_mask are put from the shared tile itself) and put from there to
  * recv_sym + slot*msg_bytes at PE r; their count is an NVSHMEM signal (SET) on
  * counts_sym[e*n_ranks + my_rank] at PE r, after the puts are complete (quiet). PE == rank. Counts
  * are kept by rank, not p2p rank, under the flag: no folding. P3_FLAG_ROW_CACHE is ignored. */
-#define P3_NVSHMEM_BLOCK_SIZE 32
+#define P3_NVSHMEM_BLOCK_SIZE 40
 typedef struct P3NvshmemBlock {
     uint64_t recv_sym;                     /*   0  symmetric receive buffer's slot 0 (same on every PE) */
     uint64_t counts_sym;                   /*   8  symmetric receive counts, u64[n_experts*n_ranks] */
     uint64_t staging;                      /*  16  symmetric staging, staging_rows*msg_bytes bytes */
     uint64_t staging_rows;                 /*  24  rows of the staging (> every absolute row sent) */
+    uint64_t tile_src_mask;                /*  32  bit r: PE r is reachable by loads and stores, so a
+                                                   bf16 put to it reads the shared tile itself, nothing
+                                                   staged (0: every put row staged, as a NIC needs) */
 } P3NvshmemBlock;
 
 /* One per warp (shared or global memory), used by that warp only. Initialise to
@@ -215,7 +219,8 @@ P3_ASSERT_MEMBER(P3NvshmemBlock, recv_sym, 0, 8);
 P3_ASSERT_MEMBER(P3NvshmemBlock, counts_sym, 8, 8);
 P3_ASSERT_MEMBER(P3NvshmemBlock, staging, 16, 8);
 P3_ASSERT_MEMBER(P3NvshmemBlock, staging_rows, 24, 8);
-P3_STATIC_ASSERT(sizeof(P3NvshmemBlock) == P3_NVSHMEM_BLOCK_SIZE, "P3NvshmemBlock must be 32 bytes");
+P3_ASSERT_MEMBER(P3NvshmemBlock, tile_src_mask, 32, 8);
+P3_STATIC_ASSERT(sizeof(P3NvshmemBlock) == P3_NVSHMEM_BLOCK_SIZE, "P3NvshmemBlock must be 40 bytes");
 P3_STATIC_ASSERT((P3_FLAG_NVSHMEM | P3_FLAG_NVSHMEM_ALL) < 0x10000 &&
                  ((P3_FLAG_NVSHMEM | P3_FLAG_NVSHMEM_ALL) & (P3_FLAG_ROW_CACHE | P3_FLAG_SIGNAL | P3_FLAG_SCOPE_GPU |
                                                           P3_FLAG_TILE | P3_FLAG_WIRE_FP8)) == 0,

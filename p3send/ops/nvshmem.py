@@ -313,11 +313,13 @@ class NvshmemWorld:
 
 # ---------------------------------------------------------------- the shipped senders' put path
 
-#: The transport's block: 32 bytes after the sender state's 40*n_experts (``P3NvshmemBlock`` in
-#: ptx/p3send.h): u64 recv_sym, u64 counts_sym, u64 staging, u64 staging_rows. p3_send_rows reads it
+#: The transport's block: 40 bytes after the sender state's 40*n_experts (``P3NvshmemBlock`` in
+#: ptx/p3send.h): u64 recv_sym, u64 counts_sym, u64 staging, u64 staging_rows, u64 tile_src_mask
+#: (bit r: PE r is reachable by loads and stores, so a bf16 put to it may read the shared tile
+#: itself; 0: every row staged, what a NIC needs). p3_send_rows reads it
 #: only under FLAG_NVSHMEM; it lives in the state so that neither P3SendCtx nor an entry's
 #: parameters change (the modules loaded without the transport are exactly today's).
-BLOCK_BYTES = 32
+BLOCK_BYTES = 40
 
 
 class NvshmemTransport:
@@ -343,6 +345,8 @@ class NvshmemTransport:
         staging_rows: rows of the staging, > every absolute row a send may hold
             (``expert_offsets[-1]``); collective (every PE allocates the same size).
         all_puts: FLAG_NVSHMEM_ALL.
+        stage_all: stage every put row (the path a NIC needs) even to a PE that loads and stores
+            reach, whose bf16 puts otherwise read the shared tile itself (``tile_src_mask``).
         recv_bytes, counts_bytes: the bytes behind ``recv`` / ``counts`` (checked against each
             cfg when given; a SymmetricBuffer gives its own).
 
@@ -351,7 +355,8 @@ class NvshmemTransport:
     """
 
     def __init__(self, world: NvshmemWorld, *, recv, counts, msg_bytes: int, staging_rows: int,
-                 all_puts: bool = False, recv_bytes: int | None = None, counts_bytes: int | None = None):
+                 all_puts: bool = False, stage_all: bool = False, recv_bytes: int | None = None,
+                 counts_bytes: int | None = None):
         from .send import FLAG_NVSHMEM, FLAG_NVSHMEM_ALL
         problems = []
         for what, v in (("msg_bytes", msg_bytes), ("staging_rows", staging_rows)):
@@ -365,6 +370,8 @@ class NvshmemTransport:
         self.flags = FLAG_NVSHMEM | (FLAG_NVSHMEM_ALL if all_puts else 0)
         self.all_puts = bool(all_puts)
         self.staging = world.alloc(self.staging_rows * self.msg_bytes)
+        self.tile_src_mask = 0 if stage_all else \
+            sum(1 << pe for pe in range(min(world.n_ranks, P3_MAX_RANKS)) if world.ptr(self.recv, pe))
         self._kernels: dict = {}
 
     @staticmethod
@@ -377,8 +384,9 @@ class NvshmemTransport:
         return int(v), nbytes
 
     def block(self) -> bytes:
-        """The 32 bytes p3_send_rows reads at state_ptr + 40*n_experts."""
-        return np.array([self.recv, self.counts, self.staging.ptr, self.staging_rows], np.uint64).tobytes()
+        """The 40 bytes p3_send_rows reads at state_ptr + 40*n_experts."""
+        return np.array([self.recv, self.counts, self.staging.ptr, self.staging_rows, self.tile_src_mask],
+                        np.uint64).tobytes()
 
     def sender_state(self, n_experts: int) -> driver.DeviceBuffer:
         """A launcher's sender state (40*n_experts zero bytes) followed by the block."""

@@ -33,6 +33,9 @@ class FakeWorld:
         buf.free = lambda: None
         return buf
 
+    def ptr(self, addr, pe):
+        return addr + 0x1000_0000 * (pe + 1) if pe != 1 else 0     # PE 1: reachable only by puts
+
     def load(self, sources, *, name):
         self.loaded.append(list(sources))
         return {s: stand_in_kernel(s) for s in sources}
@@ -53,7 +56,7 @@ OFFSETS = np.array([0, 10, 25, ROWS], np.int32)
 
 
 def block_words(g, state, n_experts=N_EXPERTS):
-    return struct.unpack("<4Q", g.read(state.ptr + 40 * n_experts, nvshmem.BLOCK_BYTES))
+    return struct.unpack("<5Q", g.read(state.ptr + 40 * n_experts, nvshmem.BLOCK_BYTES))
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp8"])
@@ -71,7 +74,7 @@ def test_the_scatter_send_takes_the_linked_fp8_entry_and_the_flags_on_either_wir
     assert flags & FLAG_NVSHMEM and flags & FLAG_SIGNAL
     assert bool(flags & FLAG_NVSHMEM_ALL) == all_puts and bool(flags & FLAG_WIRE_FP8) == (wire == "fp8")
     assert blk.get("state_ptr").value == s.state.ptr and s.state.nbytes == 40 * N_EXPERTS + nvshmem.BLOCK_BYTES
-    assert block_words(gpu, s.state) == (RECV_SYM, COUNTS_SYM, t.staging.ptr, ROWS)
+    assert block_words(gpu, s.state) == (RECV_SYM, COUNTS_SYM, t.staging.ptr, ROWS, 1)   # PE 0 reachable
     assert not any(gpu.read(s.state.ptr, 40 * N_EXPERTS))     # the state proper: zero
 
 
@@ -126,7 +129,7 @@ def test_the_epilogue_send_links_its_module_and_flags_its_ctx(gpu, wire, monkeyp
               wire=wire)
     ctx = P3SendCtx.from_buffer_copy(gpu.read(s.ctx.ptr, 104))
     assert ctx.flags & FLAG_NVSHMEM and ctx.flags & FLAG_NVSHMEM_ALL and ctx.state_ptr == s.state.ptr
-    assert block_words(gpu, s.state) == (RECV_SYM, COUNTS_SYM, t.staging.ptr, ROWS)
+    assert block_words(gpu, s.state) == (RECV_SYM, COUNTS_SYM, t.staging.ptr, ROWS, 1)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -144,4 +147,11 @@ def test_bad_transport_arguments_are_refused_by_name(gpu, kw, match):
 def test_the_block_is_the_documented_layout():
     t = nvshmem.NvshmemTransport.__new__(nvshmem.NvshmemTransport)
     t.recv, t.counts, t.staging, t.staging_rows = 1 << 40, 2 << 40, SimpleNamespace(ptr=3 << 40), 77
-    assert struct.unpack("<4Q", t.block()) == (1 << 40, 2 << 40, 3 << 40, 77)
+    t.tile_src_mask = 0b101
+    assert struct.unpack("<5Q", t.block()) == (1 << 40, 2 << 40, 3 << 40, 77, 0b101)
+
+
+def test_the_tile_source_mask_names_the_pes_stores_reach_unless_every_row_is_staged(gpu):
+    w = FakeWorld(rank=0, n_ranks=4)
+    assert transport(w, 1024).tile_src_mask == 0b1101          # PE 1 only by puts: staged
+    assert transport(w, 1024, stage_all=True).tile_src_mask == 0

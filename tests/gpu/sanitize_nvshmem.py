@@ -1,5 +1,6 @@
 """Small runs of the shipped senders' NVSHMEM put path for compute-sanitizer (memcheck): one PE,
-every row by puts (FLAG_NVSHMEM_ALL) through p3_scatter_send_fp8 on both wires and through
+every row by puts (FLAG_NVSHMEM_ALL) through p3_scatter_send_fp8 on both wires (bf16: from the
+shared tile and staged) and through
 p3_epilogue_send, and the receive of a self-put round; each byte-exact against the oracle (the
 checks of tests/gpu/test_nvshmem.py). Exits non-zero if a result is wrong, 0 with a line saying
 why when the transport is not installed; the sanitizer's --error-exitcode reports memory errors.
@@ -28,8 +29,9 @@ def main() -> int:
         return 0
     w = nvshmem.NvshmemWorld(ProcessExchange(1).bind(0), device=driver.device())
     failed = 0
-    runs = [(t.test_shipped_scatter_send_puts_every_row_to_this_pe, ("random", "fp8")),
-            (t.test_shipped_scatter_send_puts_every_row_to_this_pe, ("bad_src_info", "bf16")),
+    runs = [(t.test_shipped_scatter_send_puts_every_row_to_this_pe, ("random", "fp8", False)),
+            (t.test_shipped_scatter_send_puts_every_row_to_this_pe, ("bad_src_info", "bf16", False)),
+            (t.test_shipped_scatter_send_puts_every_row_to_this_pe, ("unrouted", "bf16", True)),
             (t.test_shipped_epilogue_send_puts_every_row_to_this_pe, ("masked_experts", "fp8")),
             (t.test_the_receive_reduces_a_self_put_round_exactly, ("bf16",))]
     try:

@@ -280,7 +280,7 @@ class TransportRound:
     they name decoys (0xAB / all-ones) that no store may touch: every row goes by a put."""
 
     def __init__(self, world, case, wire, *, p2p_world_size: int, all_puts: bool, max_tokens: int | None = None,
-                 src_info=None, epilogue: dict | None = None):
+                 src_info=None, epilogue: dict | None = None, stage_all: bool = False):
         self.world, self.case, self.wire = world, case, wire
         self.max_tokens = max_tokens or case.max_tokens_per_rank
         self.rbytes = self.max_tokens * case.top_k * case.msg_bytes
@@ -290,7 +290,8 @@ class TransportRound:
         rows = case.c_send.shape[0]
         self.t = nvshmem.NvshmemTransport(world, recv=self.recv.ptr + GUARD, counts=self.counts.ptr + 16,
                                           recv_bytes=self.rbytes, counts_bytes=8 * self.n_slots,
-                                          msg_bytes=case.msg_bytes, staging_rows=max(rows, 1), all_puts=all_puts)
+                                          msg_bytes=case.msg_bytes, staging_rows=max(rows, 1), all_puts=all_puts,
+                                          stage_all=stage_all)
         self.keep = []
         dev = world.device
         if all_puts:
@@ -363,18 +364,23 @@ def assert_round_exact(r: TransportRound, got, want, what: str):
         assert (r.decoy_counts.download(np.uint64) == ALL_ONES).all(), f"{r.case} {what}: a count went to count_ptrs"
 
 
-SELF_PUT = [("random", "fp8"), ("random", "bf16"), ("bad_src_info", "fp8"), ("unrouted", "bf16"),
-            ("masked_experts", "fp8"), ("one_row", "bf16"), ("many_experts", "fp8"), ("skewed", "bf16"),
-            ("offset_base", "fp8"), ("zero_rows", "bf16")]
+# (family, wire, stage_all): bf16 puts read the shared tile (this PE is reachable by stores) unless
+# stage_all; the FP8 wire's are always staged
+SELF_PUT = [("random", "fp8", False), ("random", "bf16", False), ("random", "bf16", True),
+            ("bad_src_info", "fp8", False), ("unrouted", "bf16", False), ("unrouted", "bf16", True),
+            ("masked_experts", "fp8", False), ("one_row", "bf16", True), ("many_experts", "fp8", False),
+            ("skewed", "bf16", False), ("offset_base", "fp8", False), ("zero_rows", "bf16", False),
+            ("bad_src_info", "bf16", True)]
 
 
-@pytest.mark.parametrize("family, wire", SELF_PUT)
-def test_shipped_scatter_send_puts_every_row_to_this_pe(world, family, wire):
+@pytest.mark.parametrize("family, wire, stage_all", SELF_PUT)
+def test_shipped_scatter_send_puts_every_row_to_this_pe(world, family, wire, stage_all):
     """One PE, FLAG_NVSHMEM_ALL: every row of the shipped p3_scatter_send_fp8 (either wire) goes by
-    warp puts from its staging row, every count by a signal; byte-exact, counts exact, no store
-    through recv_buf_ptrs / count_ptrs (decoys), diagnostics as the oracle's."""
+    warp puts (from its staging row, or on the bf16 wire from the shared tile), every count by a
+    signal; byte-exact, counts exact, no store through recv_buf_ptrs / count_ptrs (decoys),
+    diagnostics as the oracle's."""
     case, wire = nvshmem_send_case(family, fresh_seed(f"nvshmem self-put scatter {family} {wire}"), wire)
-    r = TransportRound(world, case, wire, p2p_world_size=1, all_puts=True)
+    r = TransportRound(world, case, wire, p2p_world_size=1, all_puts=True, stage_all=stage_all)
     try:
         for i in range(2):        # twice: the state re-arms, the staging is reused
             r.arm()
@@ -494,6 +500,8 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
     r = TransportRound(world, case, wire, p2p_world_size=1, all_puts=True)
     # the same linked module with FLAG_NVSHMEM alone: this rank is in its domain, so direct stores
     lk = TransportRound(world, case, wire, p2p_world_size=1, all_puts=False)
+    # bf16: every put row staged too (the path a NIC needs; the default puts read the shared tile)
+    st = TransportRound(world, case, wire, p2p_world_size=1, all_puts=True, stage_all=True) if wire == "bf16" else None
     direct = ScatterSend(case.n_experts, device=world.device)
     d_recv = driver.DeviceBuffer(r.rbytes + 2 * GUARD, fill=SENTINEL)
     d_counts = driver.DeviceBuffer(8 * (r.n_slots + 4), fill=0xFF)
@@ -509,8 +517,11 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
         start, end = driver.Event(), driver.Event()
         launch = {"put": r.launch, "direct": lambda: direct.launch(r.stream, blk),
                   "linked": lambda: lk.sender.launch(r.stream, lk.block)}
+        if st is not None:
+            launch["staged"] = lambda: st.sender.launch(r.stream, st.block)
+            times["staged"] = []
         for i in range(warm + reps):
-            for mode in ("put", "direct", "linked"):
+            for mode in launch:
                 start.record(r.stream)
                 launch[mode]()
                 end.record(r.stream)
@@ -530,19 +541,28 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
         lk.arm()
         lk.launch()
         assert_round_exact(lk, lk.read(), want, "timed shape, linked module, direct stores")
+        staged = ""
+        if st is not None:
+            st.arm()
+            st.launch()
+            assert_round_exact(st, st.read(), want, "timed shape, every row staged")
+            sg = float(np.median(times["staged"]))
+            staged = f"; every row staged {sg:.1f} us, staged/direct {sg / float(np.median(times['direct'])):.3f}"
         put, dst, lnk = (float(np.median(times[m])) for m in ("put", "direct", "linked"))
         nbytes = case.c.shape[0] * case.msg_bytes
         print(f"[nvshmem] shipped scatter send, {wire} wire, {case.c.shape[0]} rows x {case.msg_bytes} B "
               f"({nbytes / 1e6:.1f} MB): self-put {put:.1f} us ({nbytes / put / 1e3:.0f} GB/s), direct {dst:.1f} us "
               f"({nbytes / dst / 1e3:.0f} GB/s), put/direct {put / dst:.3f}; the linked module's direct stores "
               f"{lnk:.1f} us, put/linked-direct {put / lnk:.3f} (median of {reps}; min put {min(times['put']):.1f}, "
-              f"min direct {min(times['direct']):.1f}, min linked {min(times['linked']):.1f})")
+              f"min direct {min(times['direct']):.1f}, min linked {min(times['linked']):.1f}){staged}")
         assert put <= 2.0 * dst, f"the self-put round took {put / dst:.2f}x the direct-store round"
     finally:
         direct.close()
         for b in (d_recv, d_counts, rtab, src):
             b.free()
         lk.free()
+        if st is not None:
+            st.free()
         r.free()
 
 
