@@ -50,33 +50,28 @@ def _measure(ctx, world, wire: str) -> dict:
     try:
         for name, all_puts in (("put", True), ("linked", False), ("direct", None)):
             if all_puts is None:
-                recv = driver.DeviceBuffer(rbytes)
-                cnt = driver.DeviceBuffer(8 * n_slots)
+                recv, cnt = driver.DeviceBuffer(rbytes), driver.DeviceBuffer(8 * n_slots)
                 keep += [recv, cnt]
                 s = ScatterSend(n_exp, device=ctx.dev)
                 bufs, cptrs = [recv.ptr], [cnt.ptr]
-                read = (lambda r=recv, k=cnt: (r.download(), k.download(np.uint64)))
-                arm = (lambda r=recv, k=cnt: (r.fill(0xAB), k.fill(0xFF)))
             else:
                 recv, cnt = world.alloc(rbytes), world.alloc(8 * n_slots)
+                keep_sym += [recv, cnt]
                 t = nvshmem.NvshmemTransport(world, recv=recv, counts=cnt, msg_bytes=msg, staging_rows=rows,
                                              all_puts=all_puts)
                 s = ScatterSend(n_exp, device=ctx.dev, transport=t)
-                keep_sym.extend([recv, cnt])
-                bufs = world.recv_buf_ptrs(recv, 1)[:1]
-                cptrs = world.recv_buf_ptrs(cnt, 1)[:1]
-                read = (lambda r=recv, k=cnt: (r.download(), k.download(np.uint64)))
-                arm = (lambda r=recv, k=cnt: (r.fill(0xAB), k.fill(0xFF)))
+                bufs, cptrs = world.recv_buf_ptrs(recv, 1)[:1], world.recv_buf_ptrs(cnt, 1)[:1]
             cfg = rank_config(n_ranks=1, my_rank=0, p2p_world_size=1, recv_bufs=bufs, top_k=top_k, msg_bytes=msg,
                               max_tokens=max_tok, range_table=rtab, src_info=src)
             blk = s.prepare(cfg, c, off, 2 * hidden, count_ptrs=cptrs, wire=wire)
-            sides[name] = (s, blk, read, arm)
+            sides[name] = (s, blk, recv, cnt)
         got = {}
-        for name, (s, blk, read, arm) in sides.items():
-            arm()
+        for name, (s, blk, recv, cnt) in sides.items():
+            recv.fill(0xAB)
+            cnt.fill(0xFF)
             s.launch(ctx.stream, blk)
             ctx.stream.synchronize()
-            got[name] = read()
+            got[name] = (recv.download(), cnt.download(np.uint64))
         checks = {name: bool(np.array_equal(got[name][0], got["direct"][0]) and
                              np.array_equal(got[name][1], got["direct"][1])) for name in ("put", "linked")}
         timer = Timer(ctx.stream, device=ctx.dev)
@@ -133,7 +128,8 @@ def table(out: dict) -> str:
                  f"the direct stores: put {r['equal_to_direct']['put']}, linked {r['equal_to_direct']['linked']}")
         for name, label in (("put", "self-put (FLAG_NVSHMEM_ALL)"), ("linked", "linked module, direct stores"),
                             ("direct", "default module, direct stores")):
-            L.append(f"     {label:<32} {r[name]['median_us']:9.1f} us  {r['bytes'] / r[name]['median_us'] / 1e3:7.1f} GB/s")
+            us = r[name]["median_us"]
+            L.append(f"     {label:<32} {us:9.1f} us  {r['bytes'] / us / 1e3:7.1f} GB/s")
         L.append(f"     put / direct {r['put_over_direct']:.3f} (target <= 2), put / linked direct "
                  f"{r['put_over_linked_direct']:.3f}")
     return "\n".join(L)

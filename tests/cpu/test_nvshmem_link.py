@@ -212,7 +212,8 @@ def test_the_shim_builder_refuses_a_referenced_path_dependent_global():
 def test_the_shim_header_documents_every_function_it_defines():
     text = SHIM.read_text()
     defined = set(re.findall(r"^\.visible \.func\s+(?:\([^)]*\)\s*)?(p3_nvshmem_\w+)\(", text, re.M))
-    assert defined == {"p3_nvshmem_put_signal_warp", "p3_nvshmem_put_warp", "p3_nvshmem_put_rows_warp", "p3_nvshmem_signal",
+    assert defined == {"p3_nvshmem_put_signal_warp", "p3_nvshmem_put_warp", "p3_nvshmem_put_rows_warp",
+                       "p3_nvshmem_signal",
                        "p3_nvshmem_fence", "p3_nvshmem_quiet", "p3_nvshmem_ptr", "p3_nvshmem_my_pe",
                        "p3_nvshmem_n_pes"}
     head = text[:text.index(".version")]

@@ -16,7 +16,8 @@ from p3send.abi.errors import ConfigError
 from p3send.abi.wire import FLAG_WIRE_FP8, wire_msg_bytes
 from p3send.ops import nvshmem
 from p3send.ops.send import FLAG_NVSHMEM, FLAG_NVSHMEM_ALL, FLAG_SIGNAL, EpilogueSend, ScatterSend
-from tests.cpu.test_fp8_inputs import DEV, FakeBuffer, gpu, stand_in_kernel  # noqa: F401 (gpu: a fixture)
+from tests.cpu.test_fp8_inputs import DEV, FakeBuffer, stand_in_kernel
+from tests.cpu.test_fp8_inputs import gpu as gpu  # noqa: F401  (the stand-in driver fixture)
 
 N_EXPERTS, ROWS, TOP_K, MAX_TOK = 3, 40, 2, 32
 RECV_SYM, COUNTS_SYM = 0x7A00_0000_1000, 0x7A10_0000_0010

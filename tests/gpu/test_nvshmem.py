@@ -353,7 +353,8 @@ class TransportRound:
 def assert_round_exact(r: TransportRound, got, want, what: str):
     (recv, counts), (want_recvs, want_counts, res) = got, want
     me = r.world.rank
-    assert np.array_equal(recv, want_recvs[me]), f"{r.case} {what}: {first_diff(recv, want_recvs[me], r.case.msg_bytes)}"
+    assert np.array_equal(recv, want_recvs[me]), \
+        f"{r.case} {what}: {first_diff(recv, want_recvs[me], r.case.msg_bytes)}"
     assert np.array_equal(counts, want_counts[me]), \
         f"{r.case} {what}: counts {counts.tolist()} != {want_counts[me].tolist()}"
     d = r.sender.diagnostics()
