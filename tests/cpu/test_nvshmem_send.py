@@ -156,3 +156,16 @@ def test_the_tile_source_mask_names_the_pes_stores_reach_unless_every_row_is_sta
     w = FakeWorld(rank=0, n_ranks=4)
     assert transport(w, 1024).tile_src_mask == 0b1101          # PE 1 only by puts: staged
     assert transport(w, 1024, stage_all=True).tile_src_mask == 0
+
+
+def test_the_bench_section_renders_its_results_and_its_skip():
+    from p3send.bench import nvshmem as bench_nv
+    assert bench_nv.table({}) == ""
+    assert "skipped (no NVSHMEM transport here" in bench_nv.table({"nvshmem": {"skipped": "no NVSHMEM transport here"}})
+    side = lambda us: {"median_us": us, "min_us": us, "max_us": us, "n": 8, "interleaved": True}  # noqa: E731
+    r = {"rows": 4096, "msg_bytes": 14336, "bytes": 4096 * 14336, "equal_to_direct": {"put": True, "linked": True},
+         "put": side(90.0), "linked": side(60.0), "direct": side(45.0), "put_over_direct": 2.0,
+         "put_over_linked_direct": 1.5}
+    text = bench_nv.table({"nvshmem": {"bf16": r, "fp8": {"skipped": "hidden 7000"}}})
+    assert "self-put (FLAG_NVSHMEM_ALL)" in text and "put / direct 2.000 (target <= 2)" in text
+    assert "fp8: skipped (hidden 7000)" in text
