@@ -347,6 +347,8 @@ class NvshmemTransport:
         all_puts: FLAG_NVSHMEM_ALL.
         stage_all: stage every put row (the path a NIC needs) even to a PE that loads and stores
             reach, whose bf16 puts otherwise read the shared tile itself (``tile_src_mask``).
+        inline: inline p3_send_rows in the linked text (``nvshmem_link.shipped_module``; default:
+            where ``nvshmem_link.INLINED`` says).
         recv_bytes, counts_bytes: the bytes behind ``recv`` / ``counts`` (checked against each
             cfg when given; a SymmetricBuffer gives its own).
 
@@ -356,7 +358,7 @@ class NvshmemTransport:
 
     def __init__(self, world: NvshmemWorld, *, recv, counts, msg_bytes: int, staging_rows: int,
                  all_puts: bool = False, stage_all: bool = False, recv_bytes: int | None = None,
-                 counts_bytes: int | None = None):
+                 counts_bytes: int | None = None, inline: bool | None = None):
         from .send import FLAG_NVSHMEM, FLAG_NVSHMEM_ALL
         problems = []
         for what, v in (("msg_bytes", msg_bytes), ("staging_rows", staging_rows)):
@@ -372,6 +374,7 @@ class NvshmemTransport:
         self.staging = world.alloc(self.staging_rows * self.msg_bytes)
         self.tile_src_mask = 0 if stage_all else \
             sum(1 << pe for pe in range(min(world.n_ranks, P3_MAX_RANKS)) if world.ptr(self.recv, pe))
+        self.inline = inline
         self._kernels: dict = {}
 
     @staticmethod
@@ -397,7 +400,8 @@ class NvshmemTransport:
     def kernel(self, entry: str):
         """The shipped ``entry`` linked with the shim and libnvshmem_device.a (loaded once)."""
         if entry not in self._kernels:
-            self._kernels[entry] = self.world.load([entry], name=f"{entry} (NVSHMEM)")[entry]
+            src = nvshmem_link.shipped_module(entry, inline=self.inline)
+            self._kernels[entry] = self.world.load([src], name=f"{entry} (NVSHMEM)")[entry]
         return self._kernels[entry]
 
     def problems(self, cfg, n_experts: int, *, rows_end: int | None = None,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from p3send.abi.errors import ConfigError, P3SendError
-from p3send.cuda import nvshmem_link, ptxdoc, ptxlint
+from p3send.cuda import nvshmem_link, ptxdoc, ptxinline, ptxlint
 from p3send.cuda.nvshmem_link import (
     NVSHMEM_VERSION,
     NVSHMEM_WHEEL,
@@ -76,7 +76,12 @@ def test_every_shipped_sender_links_with_the_shim_and_the_device_library(entry, 
     name, text = nvshmem_link.shipped_module(entry)
     assert ".visible .func" not in text and f".visible .entry {entry}(" in text
     put_path = entry in nvshmem_link.PUT_PATH
-    assert (ptxdoc.NVSHMEM_ONLY_BEGIN in text) == put_path
+    code = "\n".join(s.split("//")[0] for s in text.splitlines())
+    assert ("call.uni        p3_nvshmem_put_rows_warp" in code or "call.uni p3_nvshmem_put_rows_warp" in code) \
+        == put_path
+    # inlined where INLINED says (the body in the entry, no call of p3_send_rows left)
+    assert (re.search(r"call\.uni\s+p3_send_rows\s*,", code) is None) == (entry in nvshmem_link.INLINED
+                                                                          or "p3_send_rows" not in code)
     image, _ = nvshmem_link.link_cubin([(name, text)], arch)
     assert image[:4] == b"\x7fELF" and entry.encode() in image and b"nvshmemi_device_state_d" in image
     for fn in (b"p3_nvshmem_put_rows_warp", b"p3_nvshmem_signal", b"p3_nvshmem_quiet"):
@@ -357,3 +362,77 @@ def test_a_download_that_is_no_whole_number_of_elements_is_refused():
 def test_a_symmetric_buffer_of_no_bytes_is_refused_before_the_heap(nbytes):
     with pytest.raises(ConfigError, match=r"nbytes: expected an integer > 0"):
         nvshmem.SymmetricBuffer(None, nbytes)
+
+
+# ---------------------------------------------------------------- the inliner
+
+TOY = """.version 8.0
+.target sm_90
+.address_size 64
+.func f(.param .b64 out, .param .b32 x);
+.visible .entry k(.param .u64 o)
+{
+    .reg .b64   %a;
+    .reg .b32   %x;
+    ld.param.u64        %a, [o];
+    mov.u32             %x, %laneid;
+    {
+        .param .b64 p_out;
+        .param .b32 p_x;
+        st.param.b64    [p_out], %a;
+        st.param.b32    [p_x], %x;
+        mov.u32         %x, 7;                  // the site's own instruction, kept in order
+        call.uni        f, (p_out, p_x);
+    }
+    ret;
+}
+.func f(.param .b64 out, .param .b32 x)
+{
+    .reg .pred  %p;
+    .reg .b64   %a;
+    .reg .b32   %x;
+    ld.param.b64        %a, [out];
+    ld.param.b32        %x, [x];
+    setp.eq.u32         %p, %x, 0;
+    @%p bra             SKIP;
+    st.global.u32       [%a], %x;
+SKIP:
+    @%p ret;
+    add.u32             %x, %x, 1;
+    ret;
+}
+"""
+
+
+def test_the_inliner_renames_the_body_per_site_and_its_text_assembles(tmp_path):
+    out, n = ptxinline.inline_calls(TOY, "f")
+    assert n == 1 and "call.uni        f," not in out
+    assert "mov.b64 %I0_f_arg_p_out, %a;" in out and "mov.b32 %I0_f_arg_p_x, %x;" in out
+    assert "mov.b64 %I0_f_a, %I0_f_arg_p_out;" in out and "mov.b32 %I0_f_x, %I0_f_arg_p_x;" in out
+    assert "@%I0_f_p bra             I0_f_SKIP;" in out and "I0_f_SKIP:" in out and "%I0_f_laneid" not in out
+    assert out.count("bra.uni I0_f_END;") == 2 and "@%I0_f_p bra.uni I0_f_END;" in out
+    # the site's own instruction stays between the argument stores, in order
+    assert out.index("mov.b32 %I0_f_arg_p_x, %x;") < out.index("mov.u32         %x, 7;")
+    if shutil.which("ptxas"):
+        src = tmp_path / "toy.ptx"
+        src.write_text(out)
+        import subprocess
+        r = subprocess.run(["ptxas", "-arch=sm_90", str(src), "-o", str(tmp_path / "toy.cubin")], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+
+
+def test_the_inlined_scatter_module_keeps_its_entry_header():
+    # the loader builds the kernel's parameters (the ABI struct, count_ptrs) from the header
+    name, text = nvshmem_link.shipped_module("p3_scatter_send_fp8")
+    entry = ptxdoc.parse_header(text)["p3_scatter_send_fp8"]
+    assert [p.type for p in entry.params[:2]] == ["P3PeerSendConfig", "u64[8]"]
+    assert [p.name for p in entry.params] == [p.name for p in ptxdoc.parse_decls(text)["p3_scatter_send_fp8"]]
+
+
+def test_the_inliner_refuses_a_call_site_of_another_shape():
+    odd = TOY.replace("st.param.b64    [p_out], %a;", "st.param.b64    [p_out+0], %a;")
+    with pytest.raises(ConfigError, match="not in the shape this inliner handles|undeclared"):
+        ptxinline.inline_calls(odd, "f")
+    with pytest.raises(ConfigError, match=r"no definition of \.func g"):
+        ptxinline.inline_calls(TOY, "g")

@@ -38,8 +38,9 @@ class FakeWorld:
         return addr + 0x1000_0000 * (pe + 1) if pe != 1 else 0     # PE 1: reachable only by puts
 
     def load(self, sources, *, name):
-        self.loaded.append(list(sources))
-        return {s: stand_in_kernel(s) for s in sources}
+        names = [n[: -len(".ptx")] for n, _ in sources]          # (file name, linked text) pairs
+        self.loaded.append(names)
+        return {n: stand_in_kernel(n) for n in names}
 
 
 def transport(world, msg, **kw):

@@ -6,7 +6,9 @@ checks of tests/gpu/test_nvshmem.py). Exits non-zero if a result is wrong, 0 wit
 why when the transport is not installed; the sanitizer's --error-exitcode reports memory errors.
 
     NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo \\
-        compute-sanitizer --tool memcheck --error-exitcode 99 python -m tests.gpu.sanitize_nvshmem
+        compute-sanitizer --tool memcheck --error-exitcode 99 python -m tests.gpu.sanitize_nvshmem [quick]
+
+(``quick``: the first two cases only.)
 """
 from __future__ import annotations
 
@@ -29,11 +31,12 @@ def main() -> int:
         return 0
     w = nvshmem.NvshmemWorld(ProcessExchange(1).bind(0), device=driver.device())
     failed = 0
+    quick = sys.argv[1:] == ["quick"]          # one case: a sanitizer's NVSHMEM start-up alone is long
     runs = [(t.test_shipped_scatter_send_puts_every_row_to_this_pe, ("random", "fp8", False)),
             (t.test_shipped_scatter_send_puts_every_row_to_this_pe, ("bad_src_info", "bf16", False)),
             (t.test_shipped_scatter_send_puts_every_row_to_this_pe, ("unrouted", "bf16", True)),
             (t.test_shipped_epilogue_send_puts_every_row_to_this_pe, ("masked_experts", "fp8")),
-            (t.test_the_receive_reduces_a_self_put_round_exactly, ("bf16",))]
+            (t.test_the_receive_reduces_a_self_put_round_exactly, ("bf16",))][: 2 if quick else None]
     try:
         for fn, args in runs:
             try:

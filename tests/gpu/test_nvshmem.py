@@ -280,7 +280,7 @@ class TransportRound:
     they name decoys (0xAB / all-ones) that no store may touch: every row goes by a put."""
 
     def __init__(self, world, case, wire, *, p2p_world_size: int, all_puts: bool, max_tokens: int | None = None,
-                 src_info=None, epilogue: dict | None = None, stage_all: bool = False):
+                 src_info=None, epilogue: dict | None = None, stage_all: bool = False, inline: bool | None = None):
         self.world, self.case, self.wire = world, case, wire
         self.max_tokens = max_tokens or case.max_tokens_per_rank
         self.rbytes = self.max_tokens * case.top_k * case.msg_bytes
@@ -291,7 +291,7 @@ class TransportRound:
         self.t = nvshmem.NvshmemTransport(world, recv=self.recv.ptr + GUARD, counts=self.counts.ptr + 16,
                                           recv_bytes=self.rbytes, counts_bytes=8 * self.n_slots,
                                           msg_bytes=case.msg_bytes, staging_rows=max(rows, 1), all_puts=all_puts,
-                                          stage_all=stage_all)
+                                          stage_all=stage_all, inline=inline)
         self.keep = []
         dev = world.device
         if all_puts:
@@ -503,6 +503,8 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
     lk = TransportRound(world, case, wire, p2p_world_size=1, all_puts=False)
     # bf16: every put row staged too (the path a NIC needs; the default puts read the shared tile)
     st = TransportRound(world, case, wire, p2p_world_size=1, all_puts=True, stage_all=True) if wire == "bf16" else None
+    # the self-put with p3_send_rows left a real call (the relocatable link's default)
+    nc = TransportRound(world, case, wire, p2p_world_size=1, all_puts=True, inline=False)
     direct = ScatterSend(case.n_experts, device=world.device)
     d_recv = driver.DeviceBuffer(r.rbytes + 2 * GUARD, fill=SENTINEL)
     d_counts = driver.DeviceBuffer(8 * (r.n_slots + 4), fill=0xFF)
@@ -521,6 +523,8 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
         if st is not None:
             launch["staged"] = lambda: st.sender.launch(r.stream, st.block)
             times["staged"] = []
+        launch["call"] = lambda: nc.sender.launch(r.stream, nc.block)
+        times["call"] = []
         for i in range(warm + reps):
             for mode in launch:
                 start.record(r.stream)
@@ -549,6 +553,12 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
             assert_round_exact(st, st.read(), want, "timed shape, every row staged")
             sg = float(np.median(times["staged"]))
             staged = f"; every row staged {sg:.1f} us, staged/direct {sg / float(np.median(times['direct'])):.3f}"
+        nc.arm()
+        nc.launch()
+        assert_round_exact(nc, nc.read(), want, "timed shape, p3_send_rows not inlined")
+        cl = float(np.median(times["call"]))
+        dm = float(np.median(times["direct"]))
+        staged += f"; p3_send_rows not inlined: self-put {cl:.1f} us, /direct {cl / dm:.3f}"
         put, dst, lnk = (float(np.median(times[m])) for m in ("put", "direct", "linked"))
         nbytes = case.c.shape[0] * case.msg_bytes
         print(f"[nvshmem] shipped scatter send, {wire} wire, {case.c.shape[0]} rows x {case.msg_bytes} B "
@@ -562,6 +572,7 @@ def test_self_put_scatter_send_is_within_2x_of_the_direct_store_scatter_send(wor
         for b in (d_recv, d_counts, rtab, src):
             b.free()
         lk.free()
+        nc.free()
         if st is not None:
             st.free()
         r.free()
