@@ -134,6 +134,8 @@ static inline P3PeerSendConfig p3_config_disabled(void)
 #define P3_FLAG_SCOPE_GPU 4   /* every receiver on this GPU: .gpu-scope release, not .sys */
 #define P3_FLAG_TILE 8        /* p3_scatter_send: the tile launch (flags bits 16..31: stamp/trace slots) */
 #define P3_FLAG_WIRE_FP8 16   /* quantise the bf16 rows to the FP8 wire on the way out (below) */
+#define P3_FLAG_NVSHMEM 32    /* ranks outside this NVLink domain by NVSHMEM puts (P3NvshmemBlock, below) */
+#define P3_FLAG_NVSHMEM_ALL 64 /* with P3_FLAG_NVSHMEM: every rank by puts, this one too */
 #define P3_SEND_CTX_SIZE 104
 #define P3_SEND_ACCT_SIZE 48
 
@@ -151,6 +153,28 @@ typedef struct P3SendCtx {
     int32_t  p3_control;                   /*  96  < 0: nothing is sent or counted */
     uint32_t reserved;                     /* 100  0 */
 } P3SendCtx;
+
+/* The NVSHMEM transport (docs/SCALING.md section 5): read by p3_send_rows / p3_send_flush only
+ * under P3_FLAG_NVSHMEM, and only in a module linked with the transport's shim (p3send.ops.nvshmem;
+ * the text every other module is built from has no put path and ignores both flags). The block
+ * follows the sender state: at state_ptr + 40*n_experts, so neither P3SendCtx nor an entry's
+ * parameters change. Rows for rank r outside this rank's NVLink domain (r / p2p_world_size !=
+ * my_rank / p2p_world_size; every rank with P3_FLAG_NVSHMEM_ALL) are stored to their staging row
+ * (staging + row*msg_bytes, row < staging_rows, else dropped as diag[0]; bf16 rows to a PE of
+ * tile_src_mask are put from the shared tile itself) and put from there to
+ * recv_sym + slot*msg_bytes at PE r; their count is an NVSHMEM signal (SET) on
+ * counts_sym[e*n_ranks + my_rank] at PE r, after the puts are complete (quiet). PE == rank. Counts
+ * are kept by rank, not p2p rank, under the flag: no folding. P3_FLAG_ROW_CACHE is ignored. */
+#define P3_NVSHMEM_BLOCK_SIZE 40
+typedef struct P3NvshmemBlock {
+    uint64_t recv_sym;                     /*   0  symmetric receive buffer's slot 0 (same on every PE) */
+    uint64_t counts_sym;                   /*   8  symmetric receive counts, u64[n_experts*n_ranks] */
+    uint64_t staging;                      /*  16  symmetric staging, staging_rows*msg_bytes bytes */
+    uint64_t staging_rows;                 /*  24  rows of the staging (> every absolute row sent) */
+    uint64_t tile_src_mask;                /*  32  bit r: PE r is reachable by loads and stores, so a
+                                                   bf16 put to it reads the shared tile itself, nothing
+                                                   staged (0: every put row staged, as a NIC needs) */
+} P3NvshmemBlock;
 
 /* One per warp (shared or global memory), used by that warp only. Initialise to
  * expert = -1 and zeros before the warp's first call; p3_send_flush resets it.
@@ -190,6 +214,17 @@ P3_ASSERT_MEMBER(P3SendAcct, units, 8, 8);
 P3_ASSERT_MEMBER(P3SendAcct, pair, 16, 32);
 P3_STATIC_ASSERT(sizeof(P3SendAcct) == P3_SEND_ACCT_SIZE, "P3SendAcct must be 48 bytes");
 P3_STATIC_ASSERT(P3_ALIGNOF(P3SendAcct) == 8, "P3SendAcct must align to 8");
+
+P3_ASSERT_MEMBER(P3NvshmemBlock, recv_sym, 0, 8);
+P3_ASSERT_MEMBER(P3NvshmemBlock, counts_sym, 8, 8);
+P3_ASSERT_MEMBER(P3NvshmemBlock, staging, 16, 8);
+P3_ASSERT_MEMBER(P3NvshmemBlock, staging_rows, 24, 8);
+P3_ASSERT_MEMBER(P3NvshmemBlock, tile_src_mask, 32, 8);
+P3_STATIC_ASSERT(sizeof(P3NvshmemBlock) == P3_NVSHMEM_BLOCK_SIZE, "P3NvshmemBlock must be 40 bytes");
+P3_STATIC_ASSERT((P3_FLAG_NVSHMEM | P3_FLAG_NVSHMEM_ALL) < 0x10000 &&
+                 ((P3_FLAG_NVSHMEM | P3_FLAG_NVSHMEM_ALL) & (P3_FLAG_ROW_CACHE | P3_FLAG_SIGNAL | P3_FLAG_SCOPE_GPU |
+                                                          P3_FLAG_TILE | P3_FLAG_WIRE_FP8)) == 0,
+                 "the NVSHMEM flags are bits of their own below the slot bits");
 
 #ifdef __CUDACC__
 /* The .visible .func of ptx/p3_send_rows.ptx, parameter for parameter (.b64 = a generic

@@ -58,6 +58,7 @@ if want sanitize; then
   bounded racecheck_fp8 compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY -m tests.gpu.sanitize_fp8
   bounded memcheck_wire compute-sanitizer --tool memcheck --error-exitcode 99 $PY -m tests.gpu.sanitize_wire
   bounded racecheck_wire compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 99 $PY -m tests.gpu.sanitize_wire
+  bounded memcheck_nvshmem compute-sanitizer --tool memcheck --error-exitcode 99 $PY -m tests.gpu.sanitize_nvshmem
 fi
 want multi && stage multi $PY -m pytest tests/multi_gpu -q -rs -p no:cacheprovider --timeout=900
 want demo && bounded demo $PY -m p3send demo

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..abi.errors import ConfigError
 from ..cuda import driver
-from . import decode, dispatch, epilogue, gemm, gemm_fp8, latency, send, two_gpu, wire
+from . import decode, dispatch, epilogue, gemm, gemm_fp8, latency, nvshmem, send, two_gpu, wire
 from .data import torch_or_none
 
 
@@ -37,6 +37,7 @@ REGISTRY = (
     Section("dispatch", dispatch.run, dispatch.table),
     Section("layer", dispatch.run_layer, dispatch.table_layer),
     Section("wire", wire.run, wire.table),
+    Section("nvshmem", nvshmem.run, nvshmem.table),
 )
 
 #: Every section's name, in order: the --only choices.

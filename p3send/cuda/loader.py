@@ -254,8 +254,8 @@ def link(sources, *, device: driver.Device | None = None, name: str = "<linked>"
     pairs = []
     for src in sources:
         if isinstance(src, str):
-            path = ptx_dir() / f"{src}.ptx"
-            pairs.append((path.name, path.read_text()))
+            path = ptx_dir() / f"{src}.ptx"      # shipped: without the NVSHMEM transport's regions
+            pairs.append((path.name, ptxdoc.without_nvshmem(path.read_text())))
         else:
             pairs.append((src[0], src[1]))
     dev.activate()

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from ..abi.errors import NoDeviceError, P3SendError
-from . import driver, ptxdoc
+from ..abi.errors import ConfigError, NoDeviceError, P3SendError
+from . import driver, ptxdoc, ptxinline
 from .loader import ptx_dir
 
 #: The wheel the shim was built against, and its version (``pip install 'p3send[nvshmem]'``).
@@ -26,8 +26,16 @@ INSTALL = f"pip install 'p3send[nvshmem]' (it pins {NVSHMEM_WHEEL}=={NVSHMEM_VER
 SHIM = "nvshmem/p3_nvshmem_shim.ptx"
 #: The architectures the link is tested for (the shim is sm_90 PTX; a newer arch JIT-compiles it).
 ARCHS = ("sm_90", "sm_100")
-#: The shipped modules that send (each links with the shim once it has the put path).
-SENDERS = ("p3_scatter_send", "p3_epilogue_send", "p3_gemm_send", "p3_gemm_fp8_send")
+#: The shipped modules that send; each links with the shim. Those that call p3_send_rows hold its
+#: put path (its NVSHMEM regions, kept by ``shipped_module``); p3_scatter_send has none (the
+#: transport sends through p3_scatter_send_fp8 on either wire).
+SENDERS = ("p3_scatter_send", "p3_scatter_send_fp8", "p3_epilogue_send", "p3_gemm_send", "p3_gemm_fp8_send")
+PUT_PATH = ("p3_scatter_send_fp8", "p3_epilogue_send", "p3_gemm_send", "p3_gemm_fp8_send")
+#: The modules whose p3_send_rows call ``shipped_module`` inlines in the text (what the default
+#: whole-program JIT does by itself; a relocatable link keeps it a real call with its register saves):
+#: the transport's scatter send. p3_epilogue_send inlined needs 194 registers a thread (two sites),
+#: and the GEMMs' nvcc-made call sites are of another shape: they keep the call.
+INLINED = ("p3_scatter_send_fp8",)
 
 
 class NvshmemUnavailable(P3SendError, RuntimeError):
@@ -105,12 +113,16 @@ def shim_text() -> str:
     return path.read_text()
 
 
-def shipped_module(entry: str) -> tuple[str, str]:
-    """(file name, PTX text) of the shipped module ``entry``, assembled as the loader assembles it:
-    the linkable functions it calls (p3_send_rows.ptx's) appended, and given internal linkage
+def shipped_module(entry: str, *, inline: bool | None = None) -> tuple[str, str]:
+    """(file name, PTX text) of the shipped module ``entry``, assembled as the loader assembles it
+    but with the NVSHMEM transport's regions kept (the put path, calling the shim): the linkable
+    functions it calls (p3_send_rows.ptx's) appended, and given internal linkage
     (``.func``). nvJitLink compiles its inputs relocatably, so a ``.visible .func`` stays a real
     call there: in the GEMMs p3_send_rows then needs more registers than the entry's budget and
     the link fails. Internal, ptxas may inline them as the driver's whole-program JIT does.
+
+    ``inline`` (default: ``entry in INLINED``): p3_send_rows's call sites replaced by its body
+    (``p3send.cuda.ptxinline``), as the whole-program JIT of the default module inlines it.
 
     Raises:
         NvshmemUnavailable: no such shipped file.
@@ -119,8 +131,14 @@ def shipped_module(entry: str) -> tuple[str, str]:
     if not path.is_file():
         raise NvshmemUnavailable(f"no shipped PTX named {entry!r} in {ptx_dir()}")
     siblings = [(p.name, p.read_text()) for p in sorted(ptx_dir().glob("*.ptx")) if p != path]
-    text = ptxdoc.module_text(path.read_text(), siblings)
-    return path.name, re.sub(r"\.visible(\s+\.func\b)", r"\1", text)
+    text = ptxdoc.module_text(path.read_text(), siblings, nvshmem=True)    # the put path's regions kept
+    text = re.sub(r"\.visible(\s+\.func\b)", r"\1", text)
+    if inline if inline is not None else entry in INLINED:
+        try:
+            text, _ = ptxinline.inline_calls(text, "p3_send_rows")
+        except ConfigError as e:
+            raise NvshmemLinkError(f"{path.name}: cannot inline p3_send_rows: {e}") from e
+    return path.name, text
 
 
 def link_cubin(sources, arch: str) -> tuple[bytes, str]:

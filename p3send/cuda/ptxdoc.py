@@ -204,17 +204,22 @@ def set_prototype_linkage(text: str, linkage: str) -> str:
     return out
 
 
-def module_text(text: str, siblings) -> str:
+def module_text(text: str, siblings, *, nvshmem: bool = False) -> str:
     """The PTX assembled as ONE module for a file that declares ``.visible .func``
     prototypes: the file itself (so JIT error lines still point into it), then the text
     of each sibling file defining those functions, minus its module directives.
     Compiled whole-program, the calls inline (no call-ABI stack). ``siblings``: iterable
-    of (name, text). Raises ValueError naming a prototype no sibling defines."""
+    of (name, text). Every text loses its NVSHMEM regions (``without_nvshmem``) unless
+    ``nvshmem`` (a module linked with the transport's shim: p3send.cuda.nvshmem_link).
+    Raises ValueError naming a prototype no sibling defines."""
+    keep = (lambda t: t) if nvshmem else without_nvshmem
+    text = keep(text)
     wanted = prototypes(text)
     if not wanted:
         return text
     parts, found = [text], set()
     for name, other in siblings:
+        other = keep(other)
         code = _strip_comments(other)
         defined = {w for w in wanted if re.search(_DEFN.format(name=re.escape(w)), code)}
         if defined - found:
@@ -226,34 +231,57 @@ def module_text(text: str, siblings) -> str:
     return "".join(parts)
 
 
-# ---------------------------------------------------------------- the bf16-only text of a two-wire file
+# ---------------------------------------------------------------- optional regions of a PTX text
 
+#: A region's markers are ``// <NAME> ONLY {`` and ``// <NAME> ONLY }``, each on a line of its own;
+#: a region's lines ``<alt><code>`` are what the text without the region has instead.
+#: FP8: the FP8 wire's code (the bf16-only text has the ``//BF16`` lines instead);
+#: NVSHMEM: the NVSHMEM transport's put path (p3_send_rows.ptx, p3_scatter_send_fp8.ptx; every
+#: module loaded without the transport has the ``//DIRECT`` lines instead: no .extern calls).
+REGIONS = {"FP8": "//BF16 ", "NVSHMEM": "//DIRECT "}
 FP8_ONLY_BEGIN, FP8_ONLY_END = "// FP8 ONLY {", "// FP8 ONLY }"
-BF16_ALT = "//BF16 "
+BF16_ALT = REGIONS["FP8"]
+NVSHMEM_ONLY_BEGIN, NVSHMEM_ONLY_END = "// NVSHMEM ONLY {", "// NVSHMEM ONLY }"
 
 
-def without_fp8(text: str) -> str:
-    """``text`` without its FP8-wire code: the lines between ``// FP8 ONLY {`` and
-    ``// FP8 ONLY }`` (each marker on a line of its own) are dropped, except a region's lines
-    ``//BF16 <code>``, which become that code. What a module that only ever sends or receives
-    the bf16 wire is built from (the FP8 code, though never run there, made such kernels
-    slower: docs/PERF.md). Raises ConfigError (a ValueError) on nested, unclosed or unopened
-    markers."""
+def without_region(text: str, name: str) -> str:
+    """``text`` without its ``name`` regions (``REGIONS``): the lines between
+    ``// <name> ONLY {`` and ``// <name> ONLY }`` are dropped, except a region's lines
+    ``<alt> <code>`` (``REGIONS[name]``), which become that code. Other regions' markers
+    are left alone (regions of different names may not overlap). Raises ConfigError (a
+    ValueError) for an unknown name and on nested, unclosed or unopened markers."""
+    if name not in REGIONS:
+        raise ConfigError([f"name: expected one of {', '.join(REGIONS)}, got {name!r}"], "PTX text")
+    begin, end, alt = f"// {name} ONLY {{", f"// {name} ONLY }}", REGIONS[name]
     out, inside = [], False
     for n, line in enumerate(text.split("\n"), 1):
         s = line.strip()
-        if s == FP8_ONLY_BEGIN:
+        if s == begin:
             if inside:
-                raise ConfigError([f"line {n}: '{FP8_ONLY_BEGIN}' inside another"], "PTX text")
+                raise ConfigError([f"line {n}: '{begin}' inside another"], "PTX text")
             inside = True
-        elif s == FP8_ONLY_END:
+        elif s == end:
             if not inside:
-                raise ConfigError([f"line {n}: '{FP8_ONLY_END}' without a begin"], "PTX text")
+                raise ConfigError([f"line {n}: '{end}' without a begin"], "PTX text")
             inside = False
         elif not inside:
             out.append(line)
-        elif s.startswith(BF16_ALT):
-            out.append(line[: len(line) - len(line.lstrip())] + s[len(BF16_ALT):])
+        elif s.startswith(alt):
+            out.append(line[: len(line) - len(line.lstrip())] + s[len(alt):])
     if inside:
-        raise ConfigError([f"'{FP8_ONLY_BEGIN}' never closed"], "PTX text")
+        raise ConfigError([f"'{begin}' never closed"], "PTX text")
     return "\n".join(out)
+
+
+def without_fp8(text: str) -> str:
+    """``text`` without its FP8-wire code (``without_region(text, "FP8")``): what a module that
+    only ever sends or receives the bf16 wire is built from (the FP8 code, though never run
+    there, made such kernels slower: docs/PERF.md)."""
+    return without_region(text, "FP8")
+
+
+def without_nvshmem(text: str) -> str:
+    """``text`` without the NVSHMEM transport's put path (``without_region(text, "NVSHMEM")``):
+    what every module loaded without the transport is built from (it then calls no
+    ``.extern`` shim function, and its cubin is the one of the text before the put path)."""
+    return without_region(text, "NVSHMEM")

@@ -661,6 +661,13 @@ def check_file(path, archs, ptxas: str | None, use_nvjitlink: bool = True, notes
     path = Path(path)
     text = read_ptx(path) if text is None else text
     notes = [] if notes is None else notes
+    # The text every module loaded without the NVSHMEM transport gets (its put path's regions
+    # dropped); the put path itself is checked by linking it with the shim and NVSHMEM's device
+    # library (tests/cpu/test_nvshmem_link.py), where its calls are real calls.
+    try:
+        text = ptxdoc.without_nvshmem(text)
+    except ConfigError as e:
+        return [], [f"{path.name}: {e}"]
     problems = file_problems(text, path.name) + lint(text, path.name)
     sibling_files, skipped = siblings(path) if links_siblings(text) else ([], [])
     deps, missing = providers(path, text, sibling_files)

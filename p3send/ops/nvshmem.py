@@ -309,3 +309,122 @@ class NvshmemWorld:
 
     def __exit__(self, *exc) -> None:
         self.finalize()
+
+
+# ---------------------------------------------------------------- the shipped senders' put path
+
+#: The transport's block: 40 bytes after the sender state's 40*n_experts (``P3NvshmemBlock`` in
+#: ptx/p3send.h): u64 recv_sym, u64 counts_sym, u64 staging, u64 staging_rows, u64 tile_src_mask
+#: (bit r: PE r is reachable by loads and stores, so a bf16 put to it may read the shared tile
+#: itself; 0: every row staged, what a NIC needs). p3_send_rows reads it
+#: only under FLAG_NVSHMEM; it lives in the state so that neither P3SendCtx nor an entry's
+#: parameters change (the modules loaded without the transport are exactly today's).
+BLOCK_BYTES = 40
+
+
+class NvshmemTransport:
+    """The put path of the shipped senders for one rank of ``world``: a launcher given it
+    (``ScatterSend(..., transport=t)``, ``EpilogueSend(..., transport=t)``) loads its module
+    linked with the shim (``world.load``: the text with its NVSHMEM regions), sets
+    ``FLAG_NVSHMEM`` (with ``all_puts``, ``FLAG_NVSHMEM_ALL`` too: every rank by puts, this one
+    included) and keeps this block after its sender state.
+
+    Rows for a rank outside this rank's NVLink domain (MAX's rule, ``same_domain``) are stored
+    (or quantised) to their staging row (``staging + row*msg_bytes``, a symmetric buffer of
+    ``staging_rows`` rows allocated here), then put to the same slot of that rank's ``recv``;
+    their count is an NVSHMEM signal (SET) on ``counts[e*n_ranks + my_rank]`` at that rank's PE,
+    after the puts are complete. Rows for ranks in the domain keep the direct stores through
+    ``cfg.recv_buf_ptrs`` / ``count_ptrs`` (``world.recv_buf_ptrs``). PE == rank.
+
+    Args:
+        world: the NvshmemWorld (PE ``world.rank`` of ``world.n_ranks``).
+        recv: the symmetric receive buffer's slot 0 (a SymmetricBuffer, or its address plus an
+            offset: the same on every PE), holding ``max_tokens*top_k`` slots of ``msg_bytes``.
+        counts: the symmetric receive counts' word 0 (u64 [n_experts*n_ranks]), likewise.
+        msg_bytes: the wire's row bytes (the staging's row).
+        staging_rows: rows of the staging, > every absolute row a send may hold
+            (``expert_offsets[-1]``); collective (every PE allocates the same size).
+        all_puts: FLAG_NVSHMEM_ALL.
+        stage_all: stage every put row (the path a NIC needs) even to a PE that loads and stores
+            reach, whose bf16 puts otherwise read the shared tile itself (``tile_src_mask``).
+        inline: inline p3_send_rows in the linked text (``nvshmem_link.shipped_module``; default:
+            where ``nvshmem_link.INLINED`` says).
+        recv_bytes, counts_bytes: the bytes behind ``recv`` / ``counts`` (checked against each
+            cfg when given; a SymmetricBuffer gives its own).
+
+    Raises:
+        ConfigError: a bad argument; NvshmemError: the staging does not fit the heap.
+    """
+
+    def __init__(self, world: NvshmemWorld, *, recv, counts, msg_bytes: int, staging_rows: int,
+                 all_puts: bool = False, stage_all: bool = False, recv_bytes: int | None = None,
+                 counts_bytes: int | None = None, inline: bool | None = None):
+        from .send import FLAG_NVSHMEM, FLAG_NVSHMEM_ALL
+        problems = []
+        for what, v in (("msg_bytes", msg_bytes), ("staging_rows", staging_rows)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                problems.append(f"{what}: expected an integer >= 1, got {v!r}")
+        if problems:
+            raise ConfigError(problems, "NVSHMEM transport")
+        self.world, self.msg_bytes, self.staging_rows = world, int(msg_bytes), int(staging_rows)
+        self.recv, self.recv_bytes = self._sym("recv", recv, recv_bytes)
+        self.counts, self.counts_bytes = self._sym("counts", counts, counts_bytes)
+        self.flags = FLAG_NVSHMEM | (FLAG_NVSHMEM_ALL if all_puts else 0)
+        self.all_puts = bool(all_puts)
+        self.staging = world.alloc(self.staging_rows * self.msg_bytes)
+        self.tile_src_mask = 0 if stage_all else \
+            sum(1 << pe for pe in range(min(world.n_ranks, P3_MAX_RANKS)) if world.ptr(self.recv, pe))
+        self.inline = inline
+        self._kernels: dict = {}
+
+    @staticmethod
+    def _sym(what, v, nbytes):
+        if isinstance(v, SymmetricBuffer):
+            return v.ptr, v.nbytes if nbytes is None else int(nbytes)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v % 16:
+            raise ConfigError(f"{what}: expected a SymmetricBuffer or a 16-byte aligned symmetric address, got {v!r}",
+                              "NVSHMEM transport")
+        return int(v), nbytes
+
+    def block(self) -> bytes:
+        """The 40 bytes p3_send_rows reads at state_ptr + 40*n_experts."""
+        return np.array([self.recv, self.counts, self.staging.ptr, self.staging_rows, self.tile_src_mask],
+                        np.uint64).tobytes()
+
+    def sender_state(self, n_experts: int) -> driver.DeviceBuffer:
+        """A launcher's sender state (40*n_experts zero bytes) followed by the block."""
+        buf = driver.DeviceBuffer(40 * n_experts + BLOCK_BYTES, fill=0)
+        buf.upload(np.frombuffer(self.block(), np.uint8), offset=40 * n_experts)
+        return buf
+
+    def kernel(self, entry: str):
+        """The shipped ``entry`` linked with the shim and libnvshmem_device.a (loaded once)."""
+        if entry not in self._kernels:
+            src = nvshmem_link.shipped_module(entry, inline=self.inline)
+            self._kernels[entry] = self.world.load([src], name=f"{entry} (NVSHMEM)")[entry]
+        return self._kernels[entry]
+
+    def problems(self, cfg, n_experts: int, *, rows_end: int | None = None,
+                 rows_cap: int | None = None) -> list[str]:
+        """What keeps ``cfg`` from a send of ``n_experts`` experts through this transport (collected,
+        not raised). ``rows_end``: expert_offsets[-1] when known, else ``rows_cap`` (rows of C)."""
+        out = []
+        if cfg.n_ranks != self.world.n_ranks or cfg.my_rank != self.world.rank:
+            out.append(f"cfg: n_ranks {cfg.n_ranks}, my_rank {cfg.my_rank}: the transport's PEs are the ranks, "
+                       f"expected n_ranks {self.world.n_ranks}, my_rank {self.world.rank}")
+        if cfg.msg_bytes != self.msg_bytes:
+            out.append(f"msg_bytes: the transport's staging rows hold {self.msg_bytes} bytes, got {cfg.msg_bytes}")
+        rows = rows_end if rows_end is not None else rows_cap
+        if rows is not None and rows > self.staging_rows:
+            out.append(f"staging_rows: the send holds rows up to {rows}, the transport stages {self.staging_rows}")
+        need = cfg.max_tokens_per_rank * cfg.top_k * cfg.msg_bytes
+        if self.recv_bytes is not None and need > self.recv_bytes:
+            out.append(f"recv: {self.recv_bytes} bytes, the cfg's slots need {need}")
+        need = 8 * n_experts * max(cfg.n_ranks, 0)
+        if self.counts_bytes is not None and need > self.counts_bytes:
+            out.append(f"counts: {self.counts_bytes} bytes, n_experts*n_ranks counts need {need}")
+        return out
+
+    def close(self) -> None:
+        """Free the staging (collective)."""
+        self.staging.free()

@@ -20,6 +20,8 @@ FLAG_ROW_CACHE = 1
 FLAG_SIGNAL = 2
 FLAG_SCOPE_GPU = 4   # every receiver on this GPU: .gpu-scope release (docs/PROTOCOL.md)
 FLAG_TILE = 8        # p3_scatter_send: the tile launch (flags bits 16..31: stamp/trace slots)
+FLAG_NVSHMEM = 32    # ranks outside this NVLink domain by NVSHMEM puts (a module linked with the transport)
+FLAG_NVSHMEM_ALL = 64  # ... every rank by puts, this one too (the one-PE self-put test): p3send.ops.nvshmem
 
 
 @dataclass
@@ -174,6 +176,10 @@ class ScatterSend(SendLauncher):
         num_sms: the SM budget, as ``set_num_sms`` (default None: every SM).
         threads: threads per CTA of the persistent launch, a multiple of 32 in 32..1024
             (default 1024); a smaller CTA is also the tile launch's CTA.
+        transport: a ``p3send.ops.nvshmem.NvshmemTransport``: every send (either wire) then
+            goes through ``p3_scatter_send_fp8`` linked with the NVSHMEM shim, with
+            ``FLAG_NVSHMEM`` (rows for ranks outside this NVLink domain by puts; docs/SCALING.md
+            section 5), the transport's block after the sender state. None (default): none.
     """
 
     THREADS = 1024
@@ -193,7 +199,7 @@ class ScatterSend(SendLauncher):
     FP8_SMEM = FP8_WARP_BYTES * FP8_THREADS // 32
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, num_sms: int | None = None,
-                 threads: int = THREADS):
+                 threads: int = THREADS, transport=None):
         problems = []
         if n_experts < 1:
             problems.append(f"n_experts: expected >= 1, got {n_experts}")
@@ -206,7 +212,10 @@ class ScatterSend(SendLauncher):
         self.n_experts, self.threads = int(n_experts), threads
         self.tile_threads = self.TILE_THREADS if threads == self.THREADS else threads
         self.tile_launch = True      # False: always the persistent launch
-        self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0)   # u64 done[e] + u32 pair[e][8]
+        # u64 done[e] + u32 pair[e][8] (+ the NVSHMEM transport's block: p3send.ops.nvshmem)
+        self.transport = transport
+        self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0) if transport is None else \
+            transport.sender_state(self.n_experts)
         self.diag = driver.DeviceBuffer(16, fill=0)
         self.smem = self.SMEM_PER_THREAD * threads
         if self.smem > self.dev.smem_optin:
@@ -224,7 +233,8 @@ class ScatterSend(SendLauncher):
             if self.FP8_SMEM > self.dev.smem_optin:
                 raise P3SendError(f"p3_scatter_send_fp8 needs {self.FP8_SMEM} B of shared memory per block; "
                                   f"{self.dev.name} allows {self.dev.smem_optin}")
-            self.k_fp8 = kernel("p3_scatter_send_fp8", self.dev)
+            self.k_fp8 = kernel("p3_scatter_send_fp8", self.dev) if self.transport is None else \
+                self.transport.kernel("p3_scatter_send_fp8")        # linked with the transport's shim
             driver.set_max_dynamic_smem(self.k_fp8.func, self.FP8_SMEM)
             self.block_fp8 = self.k_fp8.params_block()
         return self.k_fp8
@@ -341,13 +351,24 @@ class ScatterSend(SendLauncher):
         what = "2*hidden" if fp8 else "msg_bytes"
         if stride % 16 or stride < row_bytes:
             problems.append(f"c_row_stride: expected a multiple of 16 >= {what} ({row_bytes}), got {stride}")
+        if self.transport is not None:      # the transport sends either wire with p3_scatter_send_fp8
+            host = expert_offsets if isinstance(expert_offsets, np.ndarray) else expert_offsets_host
+            problems += self.transport.problems(cfg, self.n_experts, rows_end=None if host is None else int(host[-1]),
+                                                rows_cap=cap)
+            if not fp8 and cfg.msg_bytes % 512:
+                problems.append(f"msg_bytes: the bf16 wire through the transport (p3_scatter_send_fp8's 256-column "
+                                f"tiles) needs a multiple of 512, got {cfg.msg_bytes}")
+            if into is not None and into.kernel is not self.fp8_kernel():
+                problems.append("into: the NVSHMEM transport sends with its own p3_scatter_send_fp8, linked with the "
+                                "shim: expected a block of fp8_kernel() (another module has no put path)")
+            flags |= self.transport.flags
         if problems:
             raise ConfigError(problems, "scatter-send launch")
-        if fp8:
+        if fp8 or self.transport is not None:
             self.fp8_kernel()
             blk = (into or self.block_fp8).set(cfg=cfg, count_ptrs=peers, c_ptr=c_addr, c_row_stride=stride,
                                                 expert_offsets=offs_addr, state_ptr=self.state, diag_ptr=self.diag,
-                                                n_experts=self.n_experts, flags=flags | FLAG_WIRE_FP8,
+                                                n_experts=self.n_experts, flags=flags | (FLAG_WIRE_FP8 if fp8 else 0),
                                                 p3_control=int(p3_control))
             blk.fp8_wire, blk.launch_shape = True, None
             self.current = blk
@@ -381,10 +402,13 @@ class EpilogueSend(SendLauncher):
         epilogue_warps: warps converting the accumulators, >= 1 (default 2); at most 8
             warps in all.
         grid: CTAs per launch (default: as many as fit, the occupancy times the SM count).
+        transport: a ``p3send.ops.nvshmem.NvshmemTransport``: the kernel linked with the NVSHMEM
+            shim and ``FLAG_NVSHMEM`` on every send (as ``ScatterSend``); None (default): none.
     """
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, bm: int = 16, bn: int = 1024,
-                 num_stages: int = 2, send_warps: int = 1, epilogue_warps: int = 2, grid: int | None = None):
+                 num_stages: int = 2, send_warps: int = 1, epilogue_warps: int = 2, grid: int | None = None,
+                 transport=None):
         problems = []
         if n_experts < 1:
             problems.append(f"n_experts: expected >= 1, got {n_experts}")
@@ -400,7 +424,8 @@ class EpilogueSend(SendLauncher):
         if problems:
             raise ConfigError(problems, "epilogue-send geometry")
         self.dev = device or driver.device()
-        self.k = kernel("p3_epilogue_send", self.dev)
+        self.transport = transport      # p3send.ops.nvshmem.NvshmemTransport: its linked module, its flags
+        self.k = kernel("p3_epilogue_send", self.dev) if transport is None else transport.kernel("p3_epilogue_send")
         self.n_experts, self.bm, self.bn, self.num_stages = int(n_experts), bm, bn, num_stages
         self.send_warps, self.threads = send_warps, 32 * (epilogue_warps + send_warps)
         self.smem = bm * bn * 2
@@ -410,7 +435,8 @@ class EpilogueSend(SendLauncher):
         driver.set_max_dynamic_smem(self.k.func, self.smem)
         per_sm = max(1, driver.occupancy(self.k.func, self.threads, self.smem))
         self.grid = grid or per_sm * self.dev.sm_count
-        self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0)
+        self.state = driver.DeviceBuffer(self.n_experts * 40, fill=0) if transport is None else \
+            transport.sender_state(self.n_experts)
         self.diag = driver.DeviceBuffer(16, fill=0)
         self.ctx = driver.DeviceBuffer(ctypes.sizeof(P3SendCtx), fill=0)
         self.block = self.k.params_block()
@@ -463,6 +489,11 @@ class EpilogueSend(SendLauncher):
             problems.append(f"msg_bytes: expected 2*n_cols = {2 * n_cols} (bf16 rows), got {cfg.msg_bytes}")
         if stride % 16 or stride < 4 * n_cols:
             problems.append(f"acc_stride: expected a multiple of 16 >= 4*n_cols ({4 * n_cols}), got {stride}")
+        if self.transport is not None:
+            host = expert_offsets if isinstance(expert_offsets, np.ndarray) else expert_offsets_host
+            problems += self.transport.problems(cfg, self.n_experts, rows_end=None if host is None else int(host[-1]),
+                                                rows_cap=cap)
+            flags |= self.transport.flags
         if problems:
             raise ConfigError(problems, "epilogue-send launch")
         ctx = P3SendCtx()

@@ -30,6 +30,13 @@
 //            (sig_op 9 = SET, 10 = ADD) is applied at pe after every byte of the put.
 //   void     p3_nvshmem_put_warp(void *dest, const void *src, u64 bytes, s32 pe)
 //            all 32 lanes, same arguments: nvshmemx_putmem_nbi_warp.
+//   void     p3_nvshmem_put_rows_warp(void *dest, const void *src, u64 bytes, u64 off2,
+//                                     u64 bytes2, s32 pe, u32 mask)
+//            all 32 lanes, each with its own dest, src and pe (the other arguments the
+//            same): for every lane l of mask, in turn, the warp puts [src_l, +bytes) to
+//            dest_l at pe_l and, if bytes2, [src_l + off2, +bytes2) to dest_l + off2
+//            (nvshmemx_putmem_nbi_warp each): up to 32 rows for one call, so the caller's
+//            registers are saved once per batch, not once per row.
 //   void     p3_nvshmem_signal(u64 *sig, u64 signal, u32 sig_op, s32 pe)
 //            one thread: nvshmemx_signal_op (no order against earlier puts: fence first).
 //   void     p3_nvshmem_fence(void)   nvshmem_fence: puts issued before it, to each PE,
@@ -59,6 +66,20 @@ __device__ __noinline__ void p3_nvshmem_put_signal_warp(void *dest, const void *
 
 __device__ __noinline__ void p3_nvshmem_put_warp(void *dest, const void *src, uint64_t bytes, int32_t pe) {
     nvshmemx_putmem_nbi_warp(dest, src, (size_t)bytes, (int)pe);
+}
+
+__device__ __noinline__ void p3_nvshmem_put_rows_warp(void *dest, const void *src, uint64_t bytes, uint64_t off2,
+                                                       uint64_t bytes2, int32_t pe, uint32_t mask) {
+    while (mask) {
+        const int l = __ffs(mask) - 1;
+        mask &= mask - 1;
+        char *d = (char *)__shfl_sync(0xffffffffu, (unsigned long long)dest, l);
+        const char *s = (const char *)__shfl_sync(0xffffffffu, (unsigned long long)src, l);
+        const int p = __shfl_sync(0xffffffffu, (int)pe, l);
+        nvshmemx_putmem_nbi_warp(d, s, (size_t)bytes, p);
+        if (bytes2)
+            nvshmemx_putmem_nbi_warp(d + off2, s + off2, (size_t)bytes2, p);
+    }
 }
 
 __device__ __noinline__ void p3_nvshmem_signal(uint64_t *sig, uint64_t signal, uint32_t sig_op, int32_t pe) {

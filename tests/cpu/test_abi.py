@@ -283,7 +283,10 @@ def test_header_flags_and_sizes_match_the_code():
     defines = {k: int(v) for k, v in re.findall(r"^#define (P3_\w+) (\d+)\b", HEADER.read_text(), flags=re.M)}
     flags = {k[3:]: v for k, v in defines.items() if k.startswith("P3_FLAG_")}
     assert flags == {n: getattr(send, n) for n in dir(send) if n.startswith("FLAG_")}
-    assert flags == {"FLAG_ROW_CACHE": 1, "FLAG_SIGNAL": 2, "FLAG_SCOPE_GPU": 4, "FLAG_TILE": 8, "FLAG_WIRE_FP8": 16}
+    assert flags == {"FLAG_ROW_CACHE": 1, "FLAG_SIGNAL": 2, "FLAG_SCOPE_GPU": 4, "FLAG_TILE": 8, "FLAG_WIRE_FP8": 16,
+                     "FLAG_NVSHMEM": 32, "FLAG_NVSHMEM_ALL": 64}
+    from p3send.ops import nvshmem
+    assert defines["P3_NVSHMEM_BLOCK_SIZE"] == nvshmem.BLOCK_BYTES == 40
     assert (defines["P3_SEND_CTX_SIZE"], defines["P3_SEND_ACCT_SIZE"]) == (
         ctypes.sizeof(abi.P3SendCtx), abi.P3_SEND_ACCT_SIZE)
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from p3send.abi.errors import ConfigError, P3SendError
-from p3send.cuda import nvshmem_link, ptxdoc, ptxlint
+from p3send.cuda import nvshmem_link, ptxdoc, ptxinline, ptxlint
 from p3send.cuda.nvshmem_link import (
     NVSHMEM_VERSION,
     NVSHMEM_WHEEL,
@@ -71,11 +71,107 @@ SHIPPED = [(e, a) for e in nvshmem_link.SENDERS
 @needs_wheel
 @pytest.mark.parametrize("entry, arch", SHIPPED, ids=[f"{e}-{a}" for e, a in SHIPPED])
 def test_every_shipped_sender_links_with_the_shim_and_the_device_library(entry, arch):
-    # none calls the shim yet: this is the link the put path will need, with no symbol clash
+    # the put path of p3_send_rows (its NVSHMEM regions) calls the shim's put, signal and quiet;
+    # their weak stubs give way to the shim's definitions
     name, text = nvshmem_link.shipped_module(entry)
     assert ".visible .func" not in text and f".visible .entry {entry}(" in text
+    put_path = entry in nvshmem_link.PUT_PATH
+    code = "\n".join(s.split("//")[0] for s in text.splitlines())
+    assert ("call.uni        p3_nvshmem_put_rows_warp" in code or "call.uni p3_nvshmem_put_rows_warp" in code) \
+        == put_path
+    # inlined where INLINED says (the body in the entry, no call of p3_send_rows left)
+    assert (re.search(r"call\.uni\s+p3_send_rows\s*,", code) is None) == (entry in nvshmem_link.INLINED
+                                                                          or "p3_send_rows" not in code)
     image, _ = nvshmem_link.link_cubin([(name, text)], arch)
     assert image[:4] == b"\x7fELF" and entry.encode() in image and b"nvshmemi_device_state_d" in image
+    for fn in (b"p3_nvshmem_put_rows_warp", b"p3_nvshmem_signal", b"p3_nvshmem_quiet"):
+        assert (fn in image) == put_path, fn
+    if put_path:   # the shim's code, not the stub's (a trap): the put is NVSHMEM's, thousands of bytes
+        assert _text_section_size(image, "p3_nvshmem_put_rows_warp") > 1000
+
+
+def _text_section_size(image: bytes, func: str) -> int:
+    """The size of the cubin's ``.text.<func>`` section (ELF64 section headers)."""
+    import struct
+    shoff = struct.unpack_from("<Q", image, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", image, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)]
+    names = secs[shstrndx][4]
+    for sec in secs:
+        end = image.index(b"\0", names + sec[0])
+        if image[names + sec[0]:end].decode() == f".text.{func}":
+            return sec[5]
+    return 0
+
+
+@needs_wheel
+def test_linked_alone_the_send_rows_file_keeps_its_weak_stubs():
+    # p3_send_rows.ptx links on its own (EMBEDDING.md): its stubs trap if the flag is set there
+    rows = (ROOT / "ptx" / "p3_send_rows.ptx").read_text()
+    assert rows.count(".weak .func p3_nvshmem_") == 3
+    r = ptxlint.assemble(rows, "p3_send_rows.ptx", "sm_90")
+    assert r.ok, r.error
+
+
+# ---------------------------------------------------------------- the text without the transport
+
+def test_every_default_loaded_text_holds_no_put_path():
+    """What the loaders build for a module loaded without the transport: no NVSHMEM region, no
+    shim call, no weak stub (the cubins are those of the text before the put path was added)."""
+    from p3send.cuda.loader import ptx_dir
+    from p3send.ops import gemm as gemm_mod
+    texts = {}
+    for path in sorted(ptx_dir().glob("*.ptx")):
+        sib = [(p.name, p.read_text()) for p in sorted(ptx_dir().glob("*.ptx")) if p != path]
+        texts[path.name] = ptxdoc.module_text(path.read_text(), sib)
+    for entry in ("p3_gemm_send", "p3_gemm_fp8_send"):
+        texts[f"{entry} bf16-only"] = gemm_mod.module_text(entry, bf16_only=True)
+        texts[f"{entry} fp8"] = gemm_mod.module_text(entry)
+    code = lambda t: "\n".join(s.split("//")[0] for s in t.splitlines())   # noqa: E731
+    for name, text in texts.items():
+        assert not [s for s in text.splitlines() if s.strip() in (ptxdoc.NVSHMEM_ONLY_BEGIN, ptxdoc.NVSHMEM_ONLY_END)
+                    or s.strip().startswith("//DIRECT")], name
+        assert "p3_nvshmem" not in code(text) and "%nvs" not in code(text), name
+    assert "p3_nvshmem_put_rows_warp" in code(nvshmem_link.shipped_module("p3_scatter_send_fp8")[1])
+
+
+def test_the_loaders_link_of_the_shipped_send_rows_is_without_the_put_path(monkeypatch):
+    from p3send.cuda import driver, loader
+    seen = []
+
+    def fake_link(pairs, options, libraries):
+        seen.extend(pairs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(driver, "link_ptx", fake_link)
+    dev = types.SimpleNamespace(activate=lambda: None)
+    with pytest.raises(RuntimeError, match="stop here"):
+        loader.link(["p3_send_rows"], device=dev)
+    (name, text), = seen
+    code = "\n".join(s.split("//")[0] for s in text.splitlines())
+    assert name == "p3_send_rows.ptx" and "p3_nvshmem" not in code and ".visible .func p3_send_rows(" in text
+
+
+@pytest.mark.parametrize("name, alt", sorted(ptxdoc.REGIONS.items()))
+def test_a_region_is_dropped_and_its_alternative_lines_restored(name, alt):
+    other = next(n for n in ptxdoc.REGIONS if n != name)
+    text = (f"a\n// {name} ONLY {{\n    x;\n    {alt}y %msg;\n// {name} ONLY }}\n"
+            f"// {other} ONLY {{\n    z;\n// {other} ONLY }}\nb")
+    assert ptxdoc.without_region(text, name) == f"a\n    y %msg;\n// {other} ONLY {{\n    z;\n// {other} ONLY }}\nb"
+    assert ptxdoc.without_region("no markers\n", name) == "no markers\n"
+
+
+@pytest.mark.parametrize("text, match", [("// NVSHMEM ONLY {\n// NVSHMEM ONLY {\n", "inside another"),
+                                         ("// NVSHMEM ONLY }\n", "without a begin"),
+                                         ("// NVSHMEM ONLY {\n", "never closed")])
+def test_unbalanced_nvshmem_markers_are_refused(text, match):
+    with pytest.raises(ValueError, match=match):
+        ptxdoc.without_nvshmem(text)
+
+
+def test_an_unknown_region_name_is_refused():
+    with pytest.raises(ConfigError, match=r"name: expected one of FP8, NVSHMEM, got 'FP16'"):
+        ptxdoc.without_region("", "FP16")
 
 
 @needs_wheel
@@ -121,7 +217,8 @@ def test_the_shim_builder_refuses_a_referenced_path_dependent_global():
 def test_the_shim_header_documents_every_function_it_defines():
     text = SHIM.read_text()
     defined = set(re.findall(r"^\.visible \.func\s+(?:\([^)]*\)\s*)?(p3_nvshmem_\w+)\(", text, re.M))
-    assert defined == {"p3_nvshmem_put_signal_warp", "p3_nvshmem_put_warp", "p3_nvshmem_signal",
+    assert defined == {"p3_nvshmem_put_signal_warp", "p3_nvshmem_put_warp", "p3_nvshmem_put_rows_warp",
+                       "p3_nvshmem_signal",
                        "p3_nvshmem_fence", "p3_nvshmem_quiet", "p3_nvshmem_ptr", "p3_nvshmem_my_pe",
                        "p3_nvshmem_n_pes"}
     head = text[:text.index(".version")]
@@ -265,3 +362,77 @@ def test_a_download_that_is_no_whole_number_of_elements_is_refused():
 def test_a_symmetric_buffer_of_no_bytes_is_refused_before_the_heap(nbytes):
     with pytest.raises(ConfigError, match=r"nbytes: expected an integer > 0"):
         nvshmem.SymmetricBuffer(None, nbytes)
+
+
+# ---------------------------------------------------------------- the inliner
+
+TOY = """.version 8.0
+.target sm_90
+.address_size 64
+.func f(.param .b64 out, .param .b32 x);
+.visible .entry k(.param .u64 o)
+{
+    .reg .b64   %a;
+    .reg .b32   %x;
+    ld.param.u64        %a, [o];
+    mov.u32             %x, %laneid;
+    {
+        .param .b64 p_out;
+        .param .b32 p_x;
+        st.param.b64    [p_out], %a;
+        st.param.b32    [p_x], %x;
+        mov.u32         %x, 7;                  // the site's own instruction, kept in order
+        call.uni        f, (p_out, p_x);
+    }
+    ret;
+}
+.func f(.param .b64 out, .param .b32 x)
+{
+    .reg .pred  %p;
+    .reg .b64   %a;
+    .reg .b32   %x;
+    ld.param.b64        %a, [out];
+    ld.param.b32        %x, [x];
+    setp.eq.u32         %p, %x, 0;
+    @%p bra             SKIP;
+    st.global.u32       [%a], %x;
+SKIP:
+    @%p ret;
+    add.u32             %x, %x, 1;
+    ret;
+}
+"""
+
+
+def test_the_inliner_renames_the_body_per_site_and_its_text_assembles(tmp_path):
+    out, n = ptxinline.inline_calls(TOY, "f")
+    assert n == 1 and "call.uni        f," not in out
+    assert "mov.b64 %I0_f_arg_p_out, %a;" in out and "mov.b32 %I0_f_arg_p_x, %x;" in out
+    assert "mov.b64 %I0_f_a, %I0_f_arg_p_out;" in out and "mov.b32 %I0_f_x, %I0_f_arg_p_x;" in out
+    assert "@%I0_f_p bra             I0_f_SKIP;" in out and "I0_f_SKIP:" in out and "%I0_f_laneid" not in out
+    assert out.count("bra.uni I0_f_END;") == 2 and "@%I0_f_p bra.uni I0_f_END;" in out
+    # the site's own instruction stays between the argument stores, in order
+    assert out.index("mov.b32 %I0_f_arg_p_x, %x;") < out.index("mov.u32         %x, 7;")
+    if shutil.which("ptxas"):
+        src = tmp_path / "toy.ptx"
+        src.write_text(out)
+        import subprocess
+        r = subprocess.run(["ptxas", "-arch=sm_90", str(src), "-o", str(tmp_path / "toy.cubin")], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+
+
+def test_the_inlined_scatter_module_keeps_its_entry_header():
+    # the loader builds the kernel's parameters (the ABI struct, count_ptrs) from the header
+    name, text = nvshmem_link.shipped_module("p3_scatter_send_fp8")
+    entry = ptxdoc.parse_header(text)["p3_scatter_send_fp8"]
+    assert [p.type for p in entry.params[:2]] == ["P3PeerSendConfig", "u64[8]"]
+    assert [p.name for p in entry.params] == [p.name for p in ptxdoc.parse_decls(text)["p3_scatter_send_fp8"]]
+
+
+def test_the_inliner_refuses_a_call_site_of_another_shape():
+    odd = TOY.replace("st.param.b64    [p_out], %a;", "st.param.b64    [p_out+0], %a;")
+    with pytest.raises(ConfigError, match="not in the shape this inliner handles|undeclared"):
+        ptxinline.inline_calls(odd, "f")
+    with pytest.raises(ConfigError, match=r"no definition of \.func g"):
+        ptxinline.inline_calls(TOY, "g")
