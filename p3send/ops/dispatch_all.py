@@ -1,0 +1,148 @@
+"""One launch per dispatch kernel for every rank of a ``Dispatch`` (all ranks on one GPU):
+rank = ``%ctaid.y``, each rank's parameters read from a device table instead of the
+kernel's parameter space.
+
+The ``*_all`` entries are derived from the shipped kernels by one rule (``all_ranks_ptx``):
+the entry takes ``p3_table`` (u64: R rows of ``stride`` bytes, row r = rank r's parameter
+block laid out as the kernel's own parameters) and every ``ld.param.T %x, [name+off]``
+becomes ``ld.global.nc.T %x, [row + offset(name) + off]`` with row = p3_table +
+%ctaid.y * stride. Nothing else changes: the kernels read only %ctaid.x / %nctaid.x, so
+each rank's CTAs (grid.x) do exactly what its own launch would do.
+
+This turns a step's 3 x R launches on R streams (plus the fork and join events) into 3
+launches on one stream, which is also what each GPU of a real deployment launches. The
+count kernel's CTAs wait for each other inside one launch: R CTAs (one per rank) must be
+co-resident, which ``AllRanks`` checks on the host from the occupancy of the count kernel
+(one CTA of ``count_threads`` with its shared memory per SM at most: R <= SMs)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ..abi.errors import ConfigError
+from ..cuda import driver, loader, ptxdoc
+
+_LD = re.compile(r"ld\.param\.([us]\d+|b\d+|f\d+)(\s+)(%[A-Za-z0-9_$]+),\s*\[([A-Za-z_][A-Za-z0-9_]*)(?:\+(\d+))?\]")
+#: the row of the table: the register names are unused by the shipped kernels
+_ROW, _Y, _G, _Q = "%p3all_row", "%p3all_y", "%p3all_g", "%p3all_q"
+
+
+def all_ranks_ptx(text: str, entry: str) -> tuple[str, int]:
+    """``entry`` of PTX ``text`` as ``entry + "_all"`` reading its parameters from the
+    table. Returns (the PTX text, the table's row stride in bytes)."""
+    decls = ptxdoc.parse_decls(text)[entry]
+    offs = {p.name: p.offset for p in decls}
+    gofs = -(-(decls[-1].offset + decls[-1].size) // 8) * 8       # the rank's own grid.x: a u32 after its block
+    stride = -(-(gofs + 4) // 16) * 16
+    body = text[text.index(".version"):]                  # the header block documents the per-rank entry
+    m = re.search(rf"\.visible\s+\.entry\s+{entry}\s*\((.*?)\)", body, re.S)
+    if m is None:
+        raise ConfigError([f"{entry}: no such .entry"], "all-ranks PTX")
+    body = body[:m.start()] + f".visible .entry {entry}_all(\n    .param .u64 p3_table\n)" + body[m.end():]
+    brace = body.index("{", m.start())
+    prologue = (f"\n    .reg .b64   {_ROW};\n    .reg .b32   {_Y}, {_G};\n    .reg .pred  {_Q};\n"
+                f"    ld.param.u64        {_ROW}, [p3_table];\n"
+                f"    mov.u32             {_Y}, %ctaid.y;\n"
+                f"    mad.wide.u32        {_ROW}, {_Y}, {stride}, {_ROW};   // this rank's row of the table\n"
+                f"    ld.global.nc.u32    {_G}, [{_ROW}+{gofs}];           // this rank's own grid.x\n"
+                f"    mov.u32             {_Y}, %ctaid.x;\n"
+                f"    setp.ge.u32         {_Q}, {_Y}, {_G};\n"
+                f"    @{_Q} exit;                                   // a CTA past this rank's grid\n")
+    body = body[:brace + 1] + prologue + body[brace + 1:]
+
+    def sub(mm):
+        t, sp, reg, name, off = mm.groups()
+        if name == "p3_table":
+            return mm.group(0)
+        if name not in offs:
+            raise ConfigError([f"{entry}: ld.param of unknown parameter {name}"], "all-ranks PTX")
+        return f"ld.global.nc.{t}{sp}{reg}, [{_ROW}+{offs[name] + int(off or 0)}]"
+    out = _LD.sub(sub, body)
+    out = re.sub(r"mov\.u32(\s+)(%[A-Za-z0-9_]+),\s*%nctaid\.x;", rf"mov.u32\1\2, {_G};", out)
+    if "%nctaid" in out:
+        raise ConfigError([f"{entry}: a %nctaid use the rule does not cover"], "all-ranks PTX")
+    if re.search(r"ld\.param\.(?!u64\s+%p3all_row)", out):
+        raise ConfigError([f"{entry}: an ld.param form the rule does not cover"], "all-ranks PTX")
+    return out, stride, gofs
+
+
+def block_bytes(blk, stride: int) -> bytes:
+    """A ParamBlock's parameters laid out at their offsets (the kernel's parameter space)."""
+    buf = bytearray(stride)
+    for p in blk.kernel.params:
+        o = blk.get(p.name)
+        buf[p.offset:p.offset + p.size] = bytes(o)
+    return bytes(buf)
+
+
+ENTRIES = ("p3_dispatch_count", "p3_dispatch_send", "p3_dispatch_wait", "p3_dispatch_tally")
+
+
+class AllRanks:
+    """The step of a ``Dispatch`` (fused mode) as one launch per kernel for all its ranks, on
+    one stream: grid (max over ranks of the rank's own grid, R); a rank's CTAs past its own
+    grid exit at once and it reads its own grid where the kernel reads %nctaid.x.
+    ``refresh()`` after any bind / set_tally / set_control (it uploads the tables
+    synchronously: a host step, outside any step); ``launch(stream)`` enqueues a step (no
+    host wait). Refuses (ConfigError) what one launch cannot do: blocks that differ between
+    ranks, or count CTAs that could not all be resident at once."""
+
+    SRC = {"p3_dispatch_count": "b_count", "p3_dispatch_send": "b_send", "p3_dispatch_wait": "b_wait",
+           "p3_dispatch_tally": "b_tally"}
+
+    def __init__(self, d):
+        self.d, dev = d, d.dev
+        self.k, self.stride, self.gofs = {}, {}, {}
+        for e in ENTRIES:
+            text, stride, gofs = all_ranks_ptx(loader.ptx_dir().joinpath(e + ".ptx").read_text(), e)
+            mod = loader.load(text, device=dev, name=e + "_all.ptx")
+            self.k[e], self.stride[e], self.gofs[e] = mod[e + "_all"], stride, gofs
+        rd0 = d.ranks[0]
+        driver.set_max_dynamic_smem(self.k["p3_dispatch_count"].func, max(rd0.count_smem, 1))
+        driver.set_max_dynamic_smem(self.k["p3_dispatch_tally"].func, max(rd0._tally_smem(rd0.count_threads), 1))
+        R = d.n_ranks
+        self.tab = {e: driver.DeviceBuffer(R * self.stride[e], fill=0) for e in ENTRIES}
+        self.blk = {e: self.k[e].params_block(p3_table=self.tab[e].ptr) for e in ENTRIES}
+        self.grid = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        d = self.d
+        rs = d.ranks
+        for what in ("tally_threads", "count_threads", "count_smem"):
+            vals = {getattr(rd, what) for rd in rs}
+            if len(vals) != 1:
+                raise ConfigError([f"{what}: differs between ranks ({sorted(vals)}): one launch for all ranks "
+                                   f"needs one block"], "all-ranks dispatch")
+        if not d.fused:
+            raise ConfigError(["fused: the all-ranks step is the fused one"], "all-ranks dispatch")
+        own = {"p3_dispatch_count": [1] * len(rs), "p3_dispatch_send": [rd.send_grid for rd in rs],
+               "p3_dispatch_wait": [rd.wait_grid for rd in rs],
+               "p3_dispatch_tally": [rd.tally_grid if rd.tally else 0 for rd in rs]}
+        for e, attr in self.SRC.items():
+            rows = []
+            for rd, g in zip(rs, own[e]):
+                row = bytearray(block_bytes(getattr(rd, attr), self.stride[e]))
+                row[self.gofs[e]:self.gofs[e] + 4] = int(g).to_bytes(4, "little")
+                rows.append(bytes(row))
+            self.tab[e].upload(np.frombuffer(b"".join(rows), np.uint8))
+            self.grid[e] = max(own[e])
+
+    def launch(self, stream, parts=("tally", "count", "send", "wait")) -> None:
+        """A step on ``stream``; ``parts``: a diagnostic subset (the kernels are stateless
+        across steps except for the epochs the count kernel advances)."""
+        rd, R, g = self.d.ranks[0], self.d.n_ranks, self.grid
+        if "tally" in parts and g["p3_dispatch_tally"]:
+            self.blk["p3_dispatch_tally"].launch((g["p3_dispatch_tally"], R), (rd.tally_threads,), stream,
+                                                 rd._tally_smem(rd.tally_threads))
+        if "count" in parts:
+            self.blk["p3_dispatch_count"].launch((1, R), (rd.count_threads,), stream, rd.count_smem)
+        if "send" in parts:
+            self.blk["p3_dispatch_send"].launch((g["p3_dispatch_send"], R), (256,), stream)
+        if "wait" in parts:
+            self.blk["p3_dispatch_wait"].launch((g["p3_dispatch_wait"], R), (256,), stream)
+
+    def close(self) -> None:
+        for b in self.tab.values():
+            b.free()
