@@ -16,17 +16,17 @@ import time
 
 import numpy as np
 
-T0 = time.time()
+T0 = time.time()  # noqa: E402 below: the clock starts before the imports
 
-from p3send.abi.layout import SENTINEL
-from p3send.bench.data import random_bytes
-from p3send.bench.dispatch import Ceiling, Fanout
-from p3send.bench.timing import Timer
-from p3send.cuda import driver
-from p3send.oracle import dispatch as dref
-from p3send.oracle.cases import random_topk
-from p3send.ops.dispatch import ArrayView, Dispatch
-from p3send.ops.dispatch_all import AllRanks
+from p3send.abi.layout import SENTINEL  # noqa: E402
+from p3send.bench.data import random_bytes  # noqa: E402
+from p3send.bench.dispatch import Ceiling, Fanout  # noqa: E402
+from p3send.bench.timing import Timer  # noqa: E402
+from p3send.cuda import driver  # noqa: E402
+from p3send.oracle import dispatch as dref  # noqa: E402
+from p3send.oracle.cases import random_topk  # noqa: E402
+from p3send.ops.dispatch import ArrayView, Dispatch  # noqa: E402
+from p3send.ops.dispatch_all import AllRanks  # noqa: E402
 
 R, K, L, H = 8, 8, 32, 7168
 
@@ -54,7 +54,8 @@ class Case:
                         topk_idx=ArrayView(self.tk.ptr + r * tokens * K * 4, (tokens, K), np.int32),
                         scales=ArrayView(self.ss.ptr + r * tokens * sh.s_bytes, (tokens, sh.s_bytes // 4),
                                          np.float32) if self.ss else None)
-        self.aa = AllRanks(self.d)
+        self.aa = AllRanks(self.d, "param")
+        self.at = AllRanks(self.d, "table")
 
     def new_routing(self):
         self.topk = random_topk(self.rng, R, self.tokens, K, L)
@@ -122,6 +123,7 @@ class Case:
 
     def close(self):
         self.aa.close()
+        self.at.close()
         self.d.close()
         for b in (self.xs, self.ss, self.tk):
             if b is not None:
@@ -179,13 +181,20 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked):
     aa.launch(s)
     s.synchronize()
     bad += c.problems("all-ranks eager")
+    c.reset_outputs()
+    c.at.launch(s)
+    s.synchronize()
+    bad += c.problems("all-ranks (table) eager")
     floor, ceiling = c.floor_and_ceiling()
     g_head = d.capture()
     g_all = capture(cs, aa.launch)
+    g_tab = capture(cs, c.at.launch)
     g_floor = capture(cs, lambda st: [f.launch(st) for f in floor])
     g_ceil = capture(cs, ceiling.launch)
     fns = {"HEAD dispatch": lambda i: d.enqueue(stream=s),
            "all-ranks dispatch": lambda i: aa.launch(s),
+           "all-ranks (table)": lambda i: c.at.launch(s),
+           "all-ranks (table) graph": lambda i: g_tab.launch(s),
            "all-ranks count only": lambda i: aa.launch(s, parts=("count",)),
            "all-ranks count+send": lambda i: aa.launch(s, parts=("tally", "count", "send")),
            "floor": lambda i: [f.launch(s) for f in floor],
@@ -208,11 +217,13 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked):
         al = med[("all-ranks dispatch" if not sfx else "all-ranks graph")]
         say(f"  {mode}: HEAD/ceiling {hd / med['ceiling' + sfx]:.3f}  all-ranks/ceiling {al / med['ceiling' + sfx]:.3f}"
             f"  HEAD/floor {hd / med['floor' + sfx]:.3f}  all-ranks/floor {al / med['floor' + sfx]:.3f}")
+    from p3send.bench.dispatch import breakdown
+    say("  HEAD breakdown (the bench's; us):", {k: round(v, 1) for k, v in breakdown(d, s).items()})
     say("  all-ranks breakdown (us, medians of 12):",
         {k: round(v, 1) for k, v in allranks_breakdown(c, s).items()})
     # graphs replayed with new routing: each on reset outputs, checked
     for i in range(2 if tokens < 1000 else 1):
-        for gname, g in (("HEAD graph", g_head), ("all-ranks graph", g_all)):
+        for gname, g in (("HEAD graph", g_head), ("all-ranks graph", g_all), ("all-ranks (table) graph", g_tab)):
             c.new_routing()
             c.reset_outputs()
             g.launch(s)
@@ -225,7 +236,7 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked):
     s.synchronize()
     bad += c.problems("all-ranks eager after replays")
     say(f"  exact: {not bad} {bad[:6]}")
-    for g in (g_head, g_all, g_floor, g_ceil):
+    for g in (g_head, g_all, g_tab, g_floor, g_ceil):
         g.close()
     ceiling.close()
     for f in floor:

@@ -20,6 +20,7 @@ import re
 
 import numpy as np
 
+from ..abi.config import P3_MAX_RANKS as MAX_RANKS
 from ..abi.errors import ConfigError
 from ..cuda import driver, loader, ptxdoc
 
@@ -28,27 +29,41 @@ _LD = re.compile(r"ld\.param\.([us]\d+|b\d+|f\d+)(\s+)(%[A-Za-z0-9_$]+),\s*\[([A
 _ROW, _Y, _G, _Q = "%p3all_row", "%p3all_y", "%p3all_g", "%p3all_q"
 
 
-def all_ranks_ptx(text: str, entry: str) -> tuple[str, int]:
-    """``entry`` of PTX ``text`` as ``entry + "_all"`` reading its parameters from the
-    table. Returns (the PTX text, the table's row stride in bytes)."""
+def all_ranks_ptx(text: str, entry: str, mode: str = "param") -> tuple[str, int, int]:
+    """``entry`` of PTX ``text`` as ``entry + "_all"``, every rank's parameters in one block.
+
+    mode "param": the entry takes ``p3_ranks`` (.b8[8 * stride], by value: row r = rank r's
+    parameter block, then its own grid.x as a u32) and reads ``ld.param.T %x, [row + o]``
+    with row = the parameter's address + %ctaid.y * stride (8 rows of the largest block,
+    p3_dispatch_send's, are 4,096 bytes: within PTX 8.0's 4,352); mode "table": the entry
+    takes ``p3_table`` (u64: the same rows in device memory) and reads
+    ``ld.global.nc.T``. Returns (the PTX text, the row stride in bytes, the offset of the
+    rank's grid.x in a row)."""
     decls = ptxdoc.parse_decls(text)[entry]
     offs = {p.name: p.offset for p in decls}
     gofs = -(-(decls[-1].offset + decls[-1].size) // 8) * 8       # the rank's own grid.x: a u32 after its block
-    stride = -(-(gofs + 4) // 16) * 16
+    stride = -(-(gofs + 4) // 8) * 8 if mode == "param" else -(-(gofs + 4) // 16) * 16
     body = text[text.index(".version"):]                  # the header block documents the per-rank entry
     m = re.search(rf"\.visible\s+\.entry\s+{entry}\s*\((.*?)\)", body, re.S)
     if m is None:
         raise ConfigError([f"{entry}: no such .entry"], "all-ranks PTX")
-    body = body[:m.start()] + f".visible .entry {entry}_all(\n    .param .u64 p3_table\n)" + body[m.end():]
+    if mode == "param":
+        decl, ld = f".param .align 8 .b8 p3_ranks[{MAX_RANKS * stride}]", "ld.param"
+        first = f"    mov.u64             {_ROW}, p3_ranks;\n"
+    else:
+        decl, ld = ".param .u64 p3_table", "ld.global.nc"
+        first = f"    ld.param.u64        {_ROW}, [p3_table];\n"
+    body = body[:m.start()] + f".visible .entry {entry}_all(\n    {decl}\n)" + body[m.end():]
     brace = body.index("{", m.start())
     prologue = (f"\n    .reg .b64   {_ROW};\n    .reg .b32   {_Y}, {_G};\n    .reg .pred  {_Q};\n"
-                f"    ld.param.u64        {_ROW}, [p3_table];\n"
+                + first +
                 f"    mov.u32             {_Y}, %ctaid.y;\n"
-                f"    mad.wide.u32        {_ROW}, {_Y}, {stride}, {_ROW};   // this rank's row of the table\n"
-                f"    ld.global.nc.u32    {_G}, [{_ROW}+{gofs}];           // this rank's own grid.x\n"
+                f"    mad.wide.u32        {_ROW}, {_Y}, {stride}, {_ROW};   // this rank's row\n"
+                f"    {ld}.u32    {_G}, [{_ROW}+{gofs}];           // this rank's own grid.x\n"
                 f"    mov.u32             {_Y}, %ctaid.x;\n"
                 f"    setp.ge.u32         {_Q}, {_Y}, {_G};\n"
                 f"    @{_Q} exit;                                   // a CTA past this rank's grid\n")
+    n_before = len(_LD.findall(body))
     body = body[:brace + 1] + prologue + body[brace + 1:]
 
     def sub(mm):
@@ -57,13 +72,16 @@ def all_ranks_ptx(text: str, entry: str) -> tuple[str, int]:
             return mm.group(0)
         if name not in offs:
             raise ConfigError([f"{entry}: ld.param of unknown parameter {name}"], "all-ranks PTX")
-        return f"ld.global.nc.{t}{sp}{reg}, [{_ROW}+{offs[name] + int(off or 0)}]"
+        return f"{ld}.{t}{sp}{reg}, [{_ROW}+{offs[name] + int(off or 0)}]"
     out = _LD.sub(sub, body)
+    left = re.findall(r"ld\.param\.\w+\s+%[\w$]+,\s*(\[(?!%p3all_row)[^\]]*\])", out)
+    if left != ([] if mode == "param" else ["[p3_table]"]):
+        raise ConfigError([f"{entry}: ld.param forms the rule does not cover: {left}"], "all-ranks PTX")
+    if n_before == 0:
+        raise ConfigError([f"{entry}: no ld.param to rewrite"], "all-ranks PTX")
     out = re.sub(r"mov\.u32(\s+)(%[A-Za-z0-9_]+),\s*%nctaid\.x;", rf"mov.u32\1\2, {_G};", out)
     if "%nctaid" in out:
         raise ConfigError([f"{entry}: a %nctaid use the rule does not cover"], "all-ranks PTX")
-    if re.search(r"ld\.param\.(?!u64\s+%p3all_row)", out):
-        raise ConfigError([f"{entry}: an ld.param form the rule does not cover"], "all-ranks PTX")
     return out, stride, gofs
 
 
@@ -83,27 +101,30 @@ class AllRanks:
     """The step of a ``Dispatch`` (fused mode) as one launch per kernel for all its ranks, on
     one stream: grid (max over ranks of the rank's own grid, R); a rank's CTAs past its own
     grid exit at once and it reads its own grid where the kernel reads %nctaid.x.
-    ``refresh()`` after any bind / set_tally / set_control (it uploads the tables
-    synchronously: a host step, outside any step); ``launch(stream)`` enqueues a step (no
-    host wait). Refuses (ConfigError) what one launch cannot do: blocks that differ between
-    ranks, or count CTAs that could not all be resident at once."""
+    ``refresh()`` after any bind / set_tally / set_control: mode "param" rebuilds the
+    launch's parameter blocks on the host (no device operation); "table" uploads the device
+    table synchronously. ``launch(stream)`` enqueues a step (no host wait). Refuses
+    (ConfigError) what one launch cannot do: blocks that differ between ranks."""
 
     SRC = {"p3_dispatch_count": "b_count", "p3_dispatch_send": "b_send", "p3_dispatch_wait": "b_wait",
            "p3_dispatch_tally": "b_tally"}
 
-    def __init__(self, d):
-        self.d, dev = d, d.dev
-        self.k, self.stride, self.gofs = {}, {}, {}
+    def __init__(self, d, mode: str = "param"):
+        self.d, dev, self.mode = d, d.dev, mode
+        self.k, self.stride, self.gofs, self.tab = {}, {}, {}, {}
         for e in ENTRIES:
-            text, stride, gofs = all_ranks_ptx(loader.ptx_dir().joinpath(e + ".ptx").read_text(), e)
-            mod = loader.load(text, device=dev, name=e + "_all.ptx")
+            text, stride, gofs = all_ranks_ptx(loader.ptx_dir().joinpath(e + ".ptx").read_text(), e, mode)
+            mod = loader.load(text, device=dev, name=f"{e}_all.{mode}.ptx")
             self.k[e], self.stride[e], self.gofs[e] = mod[e + "_all"], stride, gofs
         rd0 = d.ranks[0]
         driver.set_max_dynamic_smem(self.k["p3_dispatch_count"].func, max(rd0.count_smem, 1))
         driver.set_max_dynamic_smem(self.k["p3_dispatch_tally"].func, max(rd0._tally_smem(rd0.count_threads), 1))
         R = d.n_ranks
-        self.tab = {e: driver.DeviceBuffer(R * self.stride[e], fill=0) for e in ENTRIES}
-        self.blk = {e: self.k[e].params_block(p3_table=self.tab[e].ptr) for e in ENTRIES}
+        if mode == "table":
+            self.tab = {e: driver.DeviceBuffer(R * self.stride[e], fill=0) for e in ENTRIES}
+            self.blk = {e: self.k[e].params_block(p3_table=self.tab[e].ptr) for e in ENTRIES}
+        else:
+            self.blk = {e: self.k[e].params_block() for e in ENTRIES}
         self.grid = {}
         self.refresh()
 
@@ -115,8 +136,6 @@ class AllRanks:
             if len(vals) != 1:
                 raise ConfigError([f"{what}: differs between ranks ({sorted(vals)}): one launch for all ranks "
                                    f"needs one block"], "all-ranks dispatch")
-        if not d.fused:
-            raise ConfigError(["fused: the all-ranks step is the fused one"], "all-ranks dispatch")
         own = {"p3_dispatch_count": [1] * len(rs), "p3_dispatch_send": [rd.send_grid for rd in rs],
                "p3_dispatch_wait": [rd.wait_grid for rd in rs],
                "p3_dispatch_tally": [rd.tally_grid if rd.tally else 0 for rd in rs]}
@@ -126,7 +145,11 @@ class AllRanks:
                 row = bytearray(block_bytes(getattr(rd, attr), self.stride[e]))
                 row[self.gofs[e]:self.gofs[e] + 4] = int(g).to_bytes(4, "little")
                 rows.append(bytes(row))
-            self.tab[e].upload(np.frombuffer(b"".join(rows), np.uint8))
+            raw = b"".join(rows)
+            if self.mode == "table":
+                self.tab[e].upload(np.frombuffer(raw, np.uint8))
+            else:
+                self.blk[e].set(p3_ranks=raw + bytes(MAX_RANKS * self.stride[e] - len(raw)))
             self.grid[e] = max(own[e])
 
     def launch(self, stream, parts=("tally", "count", "send", "wait")) -> None:
