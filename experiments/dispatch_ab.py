@@ -26,7 +26,7 @@ from p3send.cuda import driver  # noqa: E402
 from p3send.oracle import dispatch as dref  # noqa: E402
 from p3send.oracle.cases import random_topk  # noqa: E402
 from p3send.ops.dispatch import ArrayView, Dispatch  # noqa: E402
-from p3send.ops.dispatch_all import AllRanks  # noqa: E402
+from p3send.ops.dispatch_all import SPLIT, AllRanks  # noqa: E402
 
 R, K, L, H = 8, 8, 32, 7168
 
@@ -143,20 +143,12 @@ def allranks_breakdown(c: Case, s, steps=12):
     t = Timer(s, device=c.dev)
     t.HOLD_NS_PER_ITER = 200_000
     t.hold_stream(steps * 4)
-    g, rd = aa.grid, c.d.ranks[0]
     for i in range(steps):
         e = ev[i]
         e[0].record(s)
-        if g["p3_dispatch_tally"]:
-            aa.blk["p3_dispatch_tally"].launch((g["p3_dispatch_tally"], R), (rd.tally_threads,), s,
-                                               rd._tally_smem(rd.tally_threads))
-        e[1].record(s)
-        aa.blk["p3_dispatch_count"].launch((1, R), (rd.count_threads,), s, rd.count_smem)
-        e[2].record(s)
-        aa.blk["p3_dispatch_send"].launch((g["p3_dispatch_send"], R), (256,), s)
-        e[3].record(s)
-        aa.blk["p3_dispatch_wait"].launch((g["p3_dispatch_wait"], R), (256,), s)
-        e[4].record(s)
+        for j, part in enumerate(("tally", "count", "send", "wait")):
+            aa.launch(s, parts=(part,))
+            e[j + 1].record(s)
     s.synchronize()
     c.d.check()
     names = ("tally", "count", "send", "wait")
@@ -185,6 +177,10 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked):
     c.at.launch(s)
     s.synchronize()
     bad += c.problems("all-ranks (table) eager")
+    c.reset_outputs()
+    aa.launch(s, parts=SPLIT)
+    s.synchronize()
+    bad += c.problems("all-ranks split eager")
     floor, ceiling = c.floor_and_ceiling()
     g_head = d.capture()
     g_all = capture(cs, aa.launch)
@@ -197,6 +193,7 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked):
            "all-ranks (table) graph": lambda i: g_tab.launch(s),
            "all-ranks count only": lambda i: aa.launch(s, parts=("count",)),
            "all-ranks count+send": lambda i: aa.launch(s, parts=("tally", "count", "send")),
+           "all-ranks split": lambda i: aa.launch(s, parts=SPLIT),
            "floor": lambda i: [f.launch(s) for f in floor],
            "ceiling": lambda i: ceiling.launch(s),
            "HEAD dispatch graph": lambda i: g_head.launch(s),

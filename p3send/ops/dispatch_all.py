@@ -16,6 +16,7 @@ co-resident, which ``AllRanks`` checks on the host from the occupancy of the cou
 (one CTA of ``count_threads`` with its shared memory per SM at most: R <= SMs)."""
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -95,77 +96,105 @@ def block_bytes(blk, stride: int) -> bytes:
 
 
 ENTRIES = ("p3_dispatch_count", "p3_dispatch_send", "p3_dispatch_wait", "p3_dispatch_tally")
+#: The launches of a step: name -> (the entry, the RankDispatch parameter block it takes).
+BLOCKS = {"tally": ("p3_dispatch_tally", "b_tally"), "count": ("p3_dispatch_count", "b_count"),
+          "push": ("p3_dispatch_count", "b_push"), "layout": ("p3_dispatch_count", "b_layout"),
+          "send": ("p3_dispatch_send", "b_send"), "wait": ("p3_dispatch_wait", "b_wait")}
+#: A step's launches: fused (the count kernels wait for each other inside one launch) and
+#: split (no launch waits for another CTA of itself: every wait is on an earlier launch).
+FUSED, SPLIT = ("tally", "count", "send", "wait"), ("tally", "push", "layout", "send", "wait")
+
+
+@functools.cache
+def _derived(entry: str, mode: str) -> tuple[str, int, int]:
+    return all_ranks_ptx(loader.ptx_dir().joinpath(entry + ".ptx").read_text(), entry, mode)
 
 
 class AllRanks:
-    """The step of a ``Dispatch`` (fused mode) as one launch per kernel for all its ranks, on
-    one stream: grid (max over ranks of the rank's own grid, R); a rank's CTAs past its own
-    grid exit at once and it reads its own grid where the kernel reads %nctaid.x.
-    ``refresh()`` after any bind / set_tally / set_control: mode "param" rebuilds the
-    launch's parameter blocks on the host (no device operation); "table" uploads the device
-    table synchronously. ``launch(stream)`` enqueues a step (no host wait). Refuses
-    (ConfigError) what one launch cannot do: blocks that differ between ranks."""
+    """The step of a ``Dispatch``, every rank's kernels in one launch each on one stream:
+    grid (the largest of the ranks' own grids, R); a rank's CTAs past its own grid exit at
+    once, and it reads its own grid where the kernel reads %nctaid.x.
 
-    SRC = {"p3_dispatch_count": "b_count", "p3_dispatch_send": "b_send", "p3_dispatch_wait": "b_wait",
-           "p3_dispatch_tally": "b_tally"}
+    ``refresh()`` after any bind / set_tally / set_control of a rank (``Dispatch.enqueue``
+    does it when a rank's parameters changed): mode "param" rebuilds the launches'
+    parameter blocks on the host (no device operation, nothing synchronised); "table"
+    (a measurement) uploads a device table. ``launch(stream, parts)`` enqueues a step's
+    launches (``FUSED`` or ``SPLIT``) with no host wait.
+
+    Raises:
+        ConfigError: what one launch cannot do: blocks that differ between ranks; for the
+            fused count, R CTAs of the count kernel that could not all be resident at once
+            (they wait for each other).
+    """
 
     def __init__(self, d, mode: str = "param"):
         self.d, dev, self.mode = d, d.dev, mode
         self.k, self.stride, self.gofs, self.tab = {}, {}, {}, {}
         for e in ENTRIES:
-            text, stride, gofs = all_ranks_ptx(loader.ptx_dir().joinpath(e + ".ptx").read_text(), e, mode)
+            text, stride, gofs = _derived(e, mode)
             mod = loader.load(text, device=dev, name=f"{e}_all.{mode}.ptx")
             self.k[e], self.stride[e], self.gofs[e] = mod[e + "_all"], stride, gofs
-        rd0 = d.ranks[0]
+        rd0, R = d.ranks[0], d.n_ranks
         driver.set_max_dynamic_smem(self.k["p3_dispatch_count"].func, max(rd0.count_smem, 1))
         driver.set_max_dynamic_smem(self.k["p3_dispatch_tally"].func, max(rd0._tally_smem(rd0.count_threads), 1))
-        R = d.n_ranks
+        per_sm = driver.occupancy(self.k["p3_dispatch_count"].func, rd0.count_threads, rd0.count_smem)
+        self.resident = per_sm * dev.sm_count
         if mode == "table":
-            self.tab = {e: driver.DeviceBuffer(R * self.stride[e], fill=0) for e in ENTRIES}
-            self.blk = {e: self.k[e].params_block(p3_table=self.tab[e].ptr) for e in ENTRIES}
+            self.tab = {b: driver.DeviceBuffer(R * self.stride[e], fill=0) for b, (e, _) in BLOCKS.items()}
+            self.blk = {b: self.k[e].params_block(p3_table=self.tab[b].ptr) for b, (e, _) in BLOCKS.items()}
         else:
-            self.blk = {e: self.k[e].params_block() for e in ENTRIES}
+            self.blk = {b: self.k[e].params_block() for b, (e, _) in BLOCKS.items()}
         self.grid = {}
         self.refresh()
 
     def refresh(self) -> None:
-        d = self.d
-        rs = d.ranks
+        """Every rank's parameter blocks (as its own launches would take them) into the
+        launches' rows, each with the rank's own grid."""
+        rs = self.d.ranks
         for what in ("tally_threads", "count_threads", "count_smem"):
             vals = {getattr(rd, what) for rd in rs}
             if len(vals) != 1:
                 raise ConfigError([f"{what}: differs between ranks ({sorted(vals)}): one launch for all ranks "
                                    f"needs one block"], "all-ranks dispatch")
-        own = {"p3_dispatch_count": [1] * len(rs), "p3_dispatch_send": [rd.send_grid for rd in rs],
-               "p3_dispatch_wait": [rd.wait_grid for rd in rs],
-               "p3_dispatch_tally": [rd.tally_grid if rd.tally else 0 for rd in rs]}
-        for e, attr in self.SRC.items():
+        own = {"tally": [rd.tally_grid if rd.tally else 0 for rd in rs], "count": [1] * len(rs),
+               "push": [1] * len(rs), "layout": [1] * len(rs), "send": [rd.send_grid for rd in rs],
+               "wait": [rd.wait_grid for rd in rs]}
+        for b, (e, attr) in BLOCKS.items():
             rows = []
-            for rd, g in zip(rs, own[e]):
+            for rd, g in zip(rs, own[b]):
                 row = bytearray(block_bytes(getattr(rd, attr), self.stride[e]))
                 row[self.gofs[e]:self.gofs[e] + 4] = int(g).to_bytes(4, "little")
                 rows.append(bytes(row))
             raw = b"".join(rows)
             if self.mode == "table":
-                self.tab[e].upload(np.frombuffer(raw, np.uint8))
+                self.tab[b].upload(np.frombuffer(raw, np.uint8))
             else:
-                self.blk[e].set(p3_ranks=raw + bytes(MAX_RANKS * self.stride[e] - len(raw)))
-            self.grid[e] = max(own[e])
+                self.blk[b].set(p3_ranks=raw + bytes(MAX_RANKS * self.stride[e] - len(raw)))
+            self.grid[b] = max(own[b])
 
-    def launch(self, stream, parts=("tally", "count", "send", "wait")) -> None:
-        """A step on ``stream``; ``parts``: a diagnostic subset (the kernels are stateless
-        across steps except for the epochs the count kernel advances)."""
+    def check_resident(self) -> None:
+        """The fused count's R CTAs wait for each other: refuse when they cannot all be resident."""
+        if self.resident < self.d.n_ranks:
+            raise ConfigError([f"fused: {self.d.n_ranks} CTAs of p3_dispatch_count wait for each other in one "
+                               f"launch, and only {self.resident} fit on this GPU at once: use fused=False"],
+                              "all-ranks dispatch")
+
+    def launch(self, stream, parts=FUSED) -> None:
+        """The launches ``parts`` of a step on ``stream`` (``FUSED``, ``SPLIT``, or a
+        diagnostic subset: the kernels keep no state across steps but the count kernel's
+        epochs), no host wait."""
         rd, R, g = self.d.ranks[0], self.d.n_ranks, self.grid
-        if "tally" in parts and g["p3_dispatch_tally"]:
-            self.blk["p3_dispatch_tally"].launch((g["p3_dispatch_tally"], R), (rd.tally_threads,), stream,
-                                                 rd._tally_smem(rd.tally_threads))
-        if "count" in parts:
-            self.blk["p3_dispatch_count"].launch((1, R), (rd.count_threads,), stream, rd.count_smem)
-        if "send" in parts:
-            self.blk["p3_dispatch_send"].launch((g["p3_dispatch_send"], R), (256,), stream)
-        if "wait" in parts:
-            self.blk["p3_dispatch_wait"].launch((g["p3_dispatch_wait"], R), (256,), stream)
+        for part in parts:
+            if part == "tally":
+                if g["tally"]:
+                    self.blk["tally"].launch((g["tally"], R), (rd.tally_threads,), stream,
+                                             rd._tally_smem(rd.tally_threads))
+            elif part in ("count", "push", "layout"):
+                self.blk[part].launch((1, R), (rd.count_threads,), stream, rd.count_smem)
+            else:
+                self.blk[part].launch((g[part], R), (256,), stream)
 
     def close(self) -> None:
         for b in self.tab.values():
             b.free()
+        self.tab = {}
