@@ -40,7 +40,7 @@ class Case:
         self.dev, self.tokens, self.payload, self.rng = dev, tokens, payload, rng
         self.checked = ranks_checked
         self.d = Dispatch(R, max_tokens=tokens, top_k=K, hidden=H, n_local_experts=L, payload=payload, device=dev,
-                          inputs=False)
+                          inputs=False, per_rank=True)          # HEAD's step: every rank on its own stream
         sh = self.sh = self.d.shape
         self.xs = random_bytes(R * tokens * sh.x_bytes, rng)
         self.ss = random_bytes(R * tokens * sh.s_bytes, rng) if sh.s_bytes else None

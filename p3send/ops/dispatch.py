@@ -33,6 +33,7 @@ from ..abi.layout import SENTINEL
 from ..cuda import driver
 from ..cuda.loader import kernel
 from .args import aligned, array_arg, describe
+from .dispatch_all import FUSED, SPLIT, AllRanks, kernel_all
 
 FLAG_INT64 = 1        # p3_dispatch_count: topk_idx is int64
 FLAG_SCOPE_GPU = 2    # every rank on this GPU: .gpu-scope fences, count stores and flags
@@ -551,6 +552,8 @@ class RankDispatch:
         self.wait_grid = self._wait_grid()
         self.p3_control = 0
         self.cfg = None
+        #: Bumped whenever a parameter block changes (an all-ranks launch then rebuilds its rows).
+        self.version = 0
 
     # ------------------------------------------------------------ addresses
     def ptr(self, name: str) -> int:
@@ -715,12 +718,14 @@ class RankDispatch:
                         flags=(FLAG_ZERO_PAD if sh.zero_padding else 0) | scope, p3_control=self.p3_control)
         nvt = (sh.x_bytes + sh.s_bytes) // 16
         self.send_grid = max(1, -(-self.tokens * nvt // SEND_THREADS))
+        self.version += 1
 
     def set_control(self, p3_control: int) -> None:
         """< 0: every kernel of this rank's dispatch returns at once (on every rank alike)."""
         self.p3_control = int(p3_control)
         for b in (self.b_count, self.b_push, self.b_layout, self.b_send, self.b_wait, self.b_tally):
             b.set(p3_control=self.p3_control)
+        self.version += 1
 
     # ------------------------------------------------------------ launches
     def launch_count(self, stream, split: int = 0, tally: bool = True) -> None:
@@ -832,14 +837,18 @@ class Dispatch:
 
     Per rank (``ranks[r]``, a ``RankDispatch``): inputs x / scales / topk_idx, outputs
     recv_x, recv_scales, src_info, expert_offsets, range_table, expert_counts and topk_out
-    (shapes in ``RankDispatch``). A step = every rank's count, send and wait on its own
-    stream, forked from and joined into ``stream`` (``enqueue``); ``check`` afterwards
-    raises what the device found. ``stacked``: every rank's receive arrays and routing
-    outputs are slices of one allocation per array (``slabs``), so they read as (R, ...)
-    tensors (``stacked_views``); no guards then. ``fused``: each rank's count kernel waits for every
-    other's inside one launch (they run at once); False: every launch that waits for
-    another rank is ordered after it by events (the count split in two launches, each
-    wait after every send), for schedulers that serialise kernels (compute-sanitizer).
+    (shapes in ``RankDispatch``). A step (``enqueue``) = one launch per kernel for every
+    rank on the step's stream (``dispatch_all.AllRanks``: rank = the grid's y, the ranks'
+    parameter blocks in the launch's own parameters): the tally when used, the count,
+    the send, the wait; ``check`` afterwards raises what the device found. ``per_rank``:
+    instead every rank's kernels on its own stream, forked from and joined into the step's
+    stream (the step of a one-process-per-rank runner, as each rank launches it).
+    ``stacked``: every rank's receive arrays and routing outputs are slices of one
+    allocation per array (``slabs``), so they read as (R, ...) tensors (``stacked_views``);
+    no guards then. ``fused``: the ranks' count kernels wait for each other inside one
+    launch (their CTAs are all resident: checked); False: no launch waits for a CTA of
+    itself (the count split in two launches, push then layout, every wait on an earlier
+    launch), for schedulers that serialise kernels (compute-sanitizer).
 
     Args:
         n_ranks: ranks of the dispatch, all on this GPU.
@@ -856,7 +865,7 @@ class Dispatch:
             them untouched); not with ``stacked``.
         inputs: allocate upload buffers for ``set_inputs``; False: the inputs are the
             caller's device arrays (``bind``).
-        fused, stacked: as above.
+        fused, stacked, per_rank: as above.
 
     Raises:
         ConfigError: every bad argument, named, before anything is allocated.
@@ -865,12 +874,14 @@ class Dispatch:
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  payload: str = "bf16", capacity: int | None = None, align: int = 1, expert_stride: int = 0,
                  zero_padding: bool | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
-                 guard: bool = False, inputs: bool = True, fused: bool = True, stacked: bool = False):
+                 guard: bool = False, inputs: bool = True, fused: bool = True, stacked: bool = False,
+                 per_rank: bool = False):
         self.shape, self.timeout_ns = _arguments(
             "Dispatch", n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden, n_local_experts=n_local_experts,
             payload=payload, capacity=capacity, align=align, expert_stride=expert_stride, zero_padding=zero_padding,
             timeout_ms=timeout_ms, more=["guard: stacked outputs have no guards"] if stacked and guard else ())
-        self.fused = fused
+        self.fused, self.per_rank = bool(fused), bool(per_rank)
+        self.all, self._versions = None, None
         self._bufs, self.slabs, self.ranks = [], {}, []
         self.streams, self.origin, self.fork, self.done, self.pushed, self.sent = [], None, None, [], [], []
         try:
@@ -906,6 +917,10 @@ class Dispatch:
         for events in (self.done, self.pushed, self.sent):
             for _ in range(n_ranks):
                 events.append(driver.Event(timing=False))
+        if not self.per_rank:
+            self.all = AllRanks(self, load=kernel_all)     # (looked up here: the CPU tests replace it)
+            if self.fused:
+                self.all.check_resident()
 
     @property
     def n_ranks(self) -> int:
@@ -964,7 +979,8 @@ class Dispatch:
             stream: the stream the step forks from and joins into (anything
                 ``driver.as_stream`` takes; default ``origin``).
             rank_streams: one stream per rank, in rank order (e.g. a Combine's ``streams``;
-                default the Dispatch's own ``streams``).
+                default the Dispatch's own ``streams``): where ``per_rank`` launches each
+                rank's kernels; the all-ranks step (the default) launches on ``stream`` only.
 
         Raises:
             ConfigTypeError: a stream ``driver.as_stream`` does not take.
@@ -975,6 +991,13 @@ class Dispatch:
         if len(streams) != len(self.ranks):
             raise ConfigError([f"rank_streams: expected {len(self.ranks)} streams (one per rank), got {len(streams)}"],
                               "dispatch step")
+        if self.all is not None:             # every rank in one launch per kernel, on the step's stream
+            versions = tuple(rd.version for rd in self.ranks)
+            if versions != self._versions:   # a rank's parameters changed: rebuild the rows (host only)
+                self.all.refresh()
+                self._versions = versions
+            self.all.launch(origin, FUSED if self.fused else SPLIT)
+            return
         self.fork.record(origin)
         for s in streams:
             s.wait(self.fork)
@@ -1004,7 +1027,7 @@ class Dispatch:
 
     def capture(self) -> driver.Graph:
         """A CUDA graph of one step; replay with ``graph.launch(dispatch.origin)``."""
-        with driver.Graph.capture(self.origin, self.streams) as cap:
+        with driver.Graph.capture(self.origin, self.streams if self.all is None else ()) as cap:
             self.enqueue()
         return cap.graph
 
@@ -1072,6 +1095,9 @@ class Dispatch:
         owned = [s for s in self.streams + [self.origin] if s is not None]
         events = [ev for ev in self.done + self.pushed + self.sent + [self.fork] if ev is not None]
         steps = [s.close for s in owned] + [ev.close for ev in events] + [b.free for b in self._bufs]
+        if self.all is not None:
+            steps.insert(0, self.all.close)
+            self.all = None
         self._bufs = []
         release(steps, during)
 

@@ -110,6 +110,13 @@ def _derived(entry: str, mode: str) -> tuple[str, int, int]:
     return all_ranks_ptx(loader.ptx_dir().joinpath(entry + ".ptx").read_text(), entry, mode)
 
 
+def kernel_all(entry: str, device, mode: str = "param"):
+    """The all-ranks entry of the shipped ``entry``, loaded (modules are cached by text):
+    (its Kernel, the row stride, the offset of the rank's grid in a row)."""
+    text, stride, gofs = _derived(entry, mode)
+    return loader.load(text, device=device, name=f"{entry}_all.{mode}.ptx")[entry + "_all"], stride, gofs
+
+
 class AllRanks:
     """The step of a ``Dispatch``, every rank's kernels in one launch each on one stream:
     grid (the largest of the ranks' own grids, R); a rank's CTAs past its own grid exit at
@@ -127,13 +134,11 @@ class AllRanks:
             (they wait for each other).
     """
 
-    def __init__(self, d, mode: str = "param"):
+    def __init__(self, d, mode: str = "param", load=None):
         self.d, dev, self.mode = d, d.dev, mode
         self.k, self.stride, self.gofs, self.tab = {}, {}, {}, {}
-        for e in ENTRIES:
-            text, stride, gofs = _derived(e, mode)
-            mod = loader.load(text, device=dev, name=f"{e}_all.{mode}.ptx")
-            self.k[e], self.stride[e], self.gofs[e] = mod[e + "_all"], stride, gofs
+        for e in ENTRIES:          # ``load``: kernel_all's stand-in (the CPU tests' driver)
+            self.k[e], self.stride[e], self.gofs[e] = (load or kernel_all)(e, dev, mode)
         rd0, R = d.ranks[0], d.n_ranks
         driver.set_max_dynamic_smem(self.k["p3_dispatch_count"].func, max(rd0.count_smem, 1))
         driver.set_max_dynamic_smem(self.k["p3_dispatch_tally"].func, max(rd0._tally_smem(rd0.count_threads), 1))

@@ -50,6 +50,7 @@ def no_cuda(monkeypatch):
                  "ipc_open_handle", "ipc_close", "pci_bus_id"):
         monkeypatch.setattr(driver, name, touched)
     monkeypatch.setattr(dmod, "kernel", touched)
+    monkeypatch.setattr(dmod, "kernel_all", touched)
 
 
 SHAPE_CASES = [
@@ -318,6 +319,8 @@ def fake(monkeypatch):
             led.events.append(self)
 
     class Block:
+        kernel = types.SimpleNamespace(params=[])      # no parameters: an all-ranks row is all zero
+
         def set(self, **values):
             pass
 
@@ -343,7 +346,11 @@ def fake(monkeypatch):
         led.mapped.add(ptr)
         return ptr
 
-    dev = types.SimpleNamespace(ordinal=0, smem_optin=232448, name="stand-in GPU", activate=lambda: None)
+    def kernel_all(entry, device=None, mode="param"):
+        return kernel(entry + "_all", device), 512, 504
+
+    dev = types.SimpleNamespace(ordinal=0, smem_optin=232448, sm_count=132, name="stand-in GPU",
+                                activate=lambda: None)
     monkeypatch.setattr(driver, "DeviceBuffer", Buffer)
     monkeypatch.setattr(driver, "Stream", Stream)
     monkeypatch.setattr(driver, "Event", Event)
@@ -354,6 +361,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(driver, "ipc_close", lambda ptr: led.mapped.remove(ptr))
     monkeypatch.setattr(driver, "pci_bus_id", lambda ordinal: "0000:01:00.0")
     monkeypatch.setattr(dmod, "kernel", kernel)
+    monkeypatch.setattr(dmod, "kernel_all", kernel_all)
+    monkeypatch.setattr(driver, "occupancy", lambda func, block, smem=0: 1)
     led.dev = dev
     return led
 
