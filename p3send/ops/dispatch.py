@@ -842,7 +842,8 @@ class Dispatch:
     parameter blocks in the launch's own parameters): the tally when used, the count,
     the send, the wait; ``check`` afterwards raises what the device found. ``per_rank``:
     instead every rank's kernels on its own stream, forked from and joined into the step's
-    stream (the step of a one-process-per-rank runner, as each rank launches it).
+    stream (the step of a one-process-per-rank runner, as each rank launches it; an
+    attribute: it may be switched between steps).
     ``stacked``: every rank's receive arrays and routing outputs are slices of one
     allocation per array (``slabs``), so they read as (R, ...) tensors (``stacked_views``);
     no guards then. ``fused``: the ranks' count kernels wait for each other inside one
@@ -917,10 +918,9 @@ class Dispatch:
         for events in (self.done, self.pushed, self.sent):
             for _ in range(n_ranks):
                 events.append(driver.Event(timing=False))
-        if not self.per_rank:
-            self.all = AllRanks(self, load=kernel_all)     # (looked up here: the CPU tests replace it)
-            if self.fused:
-                self.all.check_resident()
+        self.all = AllRanks(self, load=kernel_all)         # (looked up here: the CPU tests replace it)
+        if self.fused and not self.per_rank:
+            self.all.check_resident()
 
     @property
     def n_ranks(self) -> int:
@@ -991,7 +991,9 @@ class Dispatch:
         if len(streams) != len(self.ranks):
             raise ConfigError([f"rank_streams: expected {len(self.ranks)} streams (one per rank), got {len(streams)}"],
                               "dispatch step")
-        if self.all is not None:             # every rank in one launch per kernel, on the step's stream
+        if not self.per_rank:                # every rank in one launch per kernel, on the step's stream
+            if self.fused:
+                self.all.check_resident()
             versions = tuple(rd.version for rd in self.ranks)
             if versions != self._versions:   # a rank's parameters changed: rebuild the rows (host only)
                 self.all.refresh()
@@ -1027,7 +1029,7 @@ class Dispatch:
 
     def capture(self) -> driver.Graph:
         """A CUDA graph of one step; replay with ``graph.launch(dispatch.origin)``."""
-        with driver.Graph.capture(self.origin, self.streams if self.all is None else ()) as cap:
+        with driver.Graph.capture(self.origin, self.streams if self.per_rank else ()) as cap:
             self.enqueue()
         return cap.graph
 
