@@ -1,19 +1,23 @@
 """One launch per dispatch kernel for every rank of a ``Dispatch`` (all ranks on one GPU):
-rank = ``%ctaid.y``, each rank's parameters read from a device table instead of the
-kernel's parameter space.
+rank = ``%ctaid.y``, each rank's parameters a row of one parameter block.
 
-The ``*_all`` entries are derived from the shipped kernels by one rule (``all_ranks_ptx``):
-the entry takes ``p3_table`` (u64: R rows of ``stride`` bytes, row r = rank r's parameter
-block laid out as the kernel's own parameters) and every ``ld.param.T %x, [name+off]``
-becomes ``ld.global.nc.T %x, [row + offset(name) + off]`` with row = p3_table +
-%ctaid.y * stride. Nothing else changes: the kernels read only %ctaid.x / %nctaid.x, so
-each rank's CTAs (grid.x) do exactly what its own launch would do.
+The ``*_all`` entries are derived from the shipped kernels, when loaded, by one rule
+(``all_ranks_ptx``; nothing derived is stored, so the two cannot drift): the entry takes
+``p3_ranks`` (by value, 8 rows of ``stride`` bytes: row r = rank r's parameter block laid out
+as the kernel's own parameters, then the rank's own grid.x), every
+``ld.param.T %x, [name+off]`` becomes ``ld.param.T %x, [row + offset(name) + off]`` with
+row = the address of ``p3_ranks`` + %ctaid.y * stride, and ``%nctaid.x`` becomes the rank's
+own grid; a CTA past it exits at once. The kernels read nothing else of the grid
+(%ctaid.x / %nctaid.x only), so each rank's CTAs do exactly what its own launch would do.
+The largest block (p3_dispatch_send's, 504 bytes) makes 8 rows of 512 bytes: 4,096 bytes,
+within the 4,352 of PTX 8.0's parameter space.
 
-This turns a step's 3 x R launches on R streams (plus the fork and join events) into 3
+A step's 3 - 4 launches per rank on R streams (plus the fork and join events) become 3 - 4
 launches on one stream, which is also what each GPU of a real deployment launches. The
-count kernel's CTAs wait for each other inside one launch: R CTAs (one per rank) must be
-co-resident, which ``AllRanks`` checks on the host from the occupancy of the count kernel
-(one CTA of ``count_threads`` with its shared memory per SM at most: R <= SMs)."""
+fused count kernel's R CTAs wait for each other inside one launch: ``AllRanks`` checks on
+the host (the occupancy of the count kernel) that they can all be resident; the split step
+(``SPLIT``) never waits inside a launch. Mode "table" (a measurement) reads the rows from
+device memory instead (``ld.global.nc``)."""
 from __future__ import annotations
 
 import functools
@@ -40,7 +44,9 @@ def all_ranks_ptx(text: str, entry: str, mode: str = "param") -> tuple[str, int,
     takes ``p3_table`` (u64: the same rows in device memory) and reads
     ``ld.global.nc.T``. Returns (the PTX text, the row stride in bytes, the offset of the
     rank's grid.x in a row)."""
-    decls = ptxdoc.parse_decls(text)[entry]
+    decls = ptxdoc.parse_decls(text).get(entry)
+    if not decls:
+        raise ConfigError([f"{entry}: no such .entry with parameters"], "all-ranks PTX")
     offs = {p.name: p.offset for p in decls}
     gofs = -(-(decls[-1].offset + decls[-1].size) // 8) * 8       # the rank's own grid.x: a u32 after its block
     stride = -(-(gofs + 4) // 8) * 8 if mode == "param" else -(-(gofs + 4) // 16) * 16
@@ -63,7 +69,7 @@ def all_ranks_ptx(text: str, entry: str, mode: str = "param") -> tuple[str, int,
                 f"    {ld}.u32    {_G}, [{_ROW}+{gofs}];           // this rank's own grid.x\n"
                 f"    mov.u32             {_Y}, %ctaid.x;\n"
                 f"    setp.ge.u32         {_Q}, {_Y}, {_G};\n"
-                f"    @{_Q} exit;                                   // a CTA past this rank's grid\n")
+                f"    @{_Q} exit;                                   // a CTA past this rank's grid")
     n_before = len(_LD.findall(body))
     body = body[:brace + 1] + prologue + body[brace + 1:]
 
