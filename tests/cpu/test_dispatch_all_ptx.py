@@ -43,8 +43,9 @@ def test_every_parameter_load_reads_the_ranks_row_at_its_documented_offset(entry
     assert out.count("%p3all_g") == 3 + text.count("%nctaid.x")   # decl, load, compare, each %nctaid.x
     # nothing else changed: the derived lines are the shipped ones but for the rewritten ones
     body = text[text.index(".version"):]
-    strip = lambda s: [ln for ln in s.split("\n") if "ld.param" not in ln and "ld.global.nc" not in ln
-                       and "%p3all" not in ln and "nctaid" not in ln]
+    def strip(s):
+        return [ln for ln in s.split("\n") if "ld.param" not in ln and "ld.global.nc" not in ln
+                and "%p3all" not in ln and "nctaid" not in ln]
     ob, bb = strip(out), strip(body)
     entry_at = [i for i, ln in enumerate(bb) if ".entry" in ln][0]
     close_at = bb.index(")", entry_at)
