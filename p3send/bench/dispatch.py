@@ -11,7 +11,8 @@ and fp8 payloads, timed in turns with
   every rank stores one flag into every rank and waits for its own; three launches on one
   stream);
 - the dispatch as shipped (``Dispatch``: one launch per kernel for every rank, on one
-  stream) and with every rank's kernels on its own stream (``per_rank``, the step before);
+  stream, the launches after the first with PDL), without PDL, and with every rank's
+  kernels on its own stream (``per_rank``, the step before);
 - each of dispatch, floor and ceiling also replayed as a captured CUDA graph (the production
   mode at decode), reported beside the eager figures;
 - diagnostics: the dispatch with its single-CTA token pass (where the tally is the default),
@@ -346,7 +347,15 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
         d.per_rank = True
         d.enqueue(stream=s)
         d.per_rank = False
+
+    pdl = d.all.pdl
+
+    def no_pdl(i):
+        d.all.pdl = False
+        d.enqueue(stream=s)
+        d.all.pdl = pdl
     fns = {"dispatch": lambda i: d.enqueue(stream=s),
+           "dispatch, no PDL": no_pdl,
            "dispatch graph": lambda i: graphs["dispatch"].launch(s),
            "per-rank streams": per_rank,
            "per-rank streams graph": lambda i: graphs["per-rank streams"].launch(s),
@@ -389,6 +398,7 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
     out = {"tokens": tokens, "payload": payload, "exact": exact, "bytes_moved": moved,
            "capacity_rows": sh.capacity, "bytes_per_rank": sh.bytes_per_rank, "tally": tally_default,
            "tally_threads": d.ranks[0].tally_threads, "count_threads": d.ranks[0].count_threads,
+           "pdl": d.all.pdl, "pdl_error": d.all.pdl_error, "launches": list(d.all_parts()),
            "results": {k: v["median_us"] for k, v in res.items()}, "breakdown_us": parts,
            "ceiling_timeouts": ceiling.errors()}
     r = out["results"]
@@ -397,6 +407,7 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
     out["graph_over_floor"] = r["dispatch graph"] / r["floor graph"]
     out["graph_over_ceiling"] = r["dispatch graph"] / r["ceiling graph"]
     out["per_rank_over_ceiling"] = r["per-rank streams"] / r["ceiling"]
+    out["no_pdl_over_ceiling"] = r["dispatch, no PDL"] / r["ceiling"]
     if tally_default:
         out["one_cta_over_floor"] = r["dispatch, one-CTA count"] / r["copy floor"]
     out["floor_TBps"] = moved / (r["copy floor"] * 1e-6) / 1e12
@@ -446,13 +457,14 @@ def table(out: dict) -> str:
     L.append("  graphs and the per-rank streams (us, median of turns; graph = the contender captured once and "
              "replayed; per-rank = every rank's kernels on its own stream, the step before the all-ranks launches)")
     L.append(f"  {'tokens':>6} {'payload':>7} {'disp gr':>9} {'floor gr':>9} {'ceil gr':>9} {'/fl gr':>7} "
-             f"{'/ceil gr':>8} {'per-rank':>9} {'p-r gr':>9} {'p-r/ceil':>8}")
+             f"{'/ceil gr':>8} {'per-rank':>9} {'p-r gr':>9} {'p-r/ceil':>8} {'no PDL':>8} {'noPDL/c':>8} launches")
     for c in sec["cases"]:
         r = c["results"]
         L.append(f"  {c['tokens']:>6} {c['payload']:>7} {r['dispatch graph']:>9.1f} {r['floor graph']:>9.1f} "
                  f"{r['ceiling graph']:>9.1f} {c['graph_over_floor']:>7.3f} {c['graph_over_ceiling']:>8.3f} "
                  f"{r['per-rank streams']:>9.1f} {r['per-rank streams graph']:>9.1f} "
-                 f"{c['per_rank_over_ceiling']:>8.3f}")
+                 f"{c['per_rank_over_ceiling']:>8.3f} {r['dispatch, no PDL']:>8.1f} {c['no_pdl_over_ceiling']:>8.3f} "
+                 f"{'+'.join(c['launches'])}" + ("" if c["pdl"] else f" (PDL off: {c['pdl_error']})"))
     L.append("  per-kernel breakdown (us; per part the median over 12 steps; all-ranks: events between the launches "
              "on one stream; per-rank streams: the longest rank, events on the rank streams)")
     L.append(f"  {'tokens':>6} {'payload':>7} {'variant':<24} " + " ".join(f"{n:>7}" for n in PARTS))

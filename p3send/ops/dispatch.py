@@ -998,7 +998,7 @@ class Dispatch:
             if versions != self._versions:   # a rank's parameters changed: rebuild the rows (host only)
                 self.all.refresh()
                 self._versions = versions
-            self.all.launch(origin, FUSED if self.fused else SPLIT)
+            self.all.launch(origin, self.all_parts())
             return
         self.fork.record(origin)
         for s in streams:
@@ -1026,6 +1026,16 @@ class Dispatch:
                 rd.launch_wait(s)
         for ev, s in zip(self.done, streams):
             origin.wait(ev.record(s))
+
+    def all_parts(self) -> tuple:
+        """The launches of the all-ranks step: the split one, or the fused one, whose wait
+        launch is left out unless it zeroes padding rows: every rank's send has finished, with
+        its rows and flags stored, before a launch after it on the same stream starts (stream
+        order is the acquire), and a source that sent nothing is the one whose counts timed
+        out or whose launch was rejected, which the records name already."""
+        if not self.fused:
+            return SPLIT
+        return FUSED if self.shape.zero_padding else tuple(p for p in FUSED if p != "wait")
 
     def capture(self) -> driver.Graph:
         """A CUDA graph of one step; replay with ``graph.launch(dispatch.origin)``."""

@@ -26,7 +26,7 @@ import re
 import numpy as np
 
 from ..abi.config import P3_MAX_RANKS as MAX_RANKS
-from ..abi.errors import ConfigError
+from ..abi.errors import ConfigError, CudaError
 from ..cuda import driver, loader, ptxdoc
 
 _LD = re.compile(r"ld\.param\.([us]\d+|b\d+|f\d+)(\s+)(%[A-Za-z0-9_$]+),\s*\[([A-Za-z_][A-Za-z0-9_]*)(?:\+(\d+))?\]")
@@ -69,7 +69,9 @@ def all_ranks_ptx(text: str, entry: str, mode: str = "param") -> tuple[str, int,
                 f"    {ld}.u32    {_G}, [{_ROW}+{gofs}];           // this rank's own grid.x\n"
                 f"    mov.u32             {_Y}, %ctaid.x;\n"
                 f"    setp.ge.u32         {_Q}, {_Y}, {_G};\n"
-                f"    @{_Q} exit;                                   // a CTA past this rank's grid")
+                f"    @{_Q} exit;                                   // a CTA past this rank's grid\n"
+                "    griddepcontrol.launch_dependents;            // the next launch may start (PDL)\n"
+                "    griddepcontrol.wait;                         // the launch before has finished (PDL)")
     n_before = len(_LD.findall(body))
     body = body[:brace + 1] + prologue + body[brace + 1:]
 
@@ -140,8 +142,13 @@ class AllRanks:
             (they wait for each other).
     """
 
-    def __init__(self, d, mode: str = "param", load=None):
+    def __init__(self, d, mode: str = "param", load=None, pdl: bool = True):
         self.d, dev, self.mode = d, d.dev, mode
+        #: Launch every launch of a step after its first with programmatic stream serialisation
+        #: (PDL): its CTAs may start while the launch before finishes and wait for it in
+        #: ``griddepcontrol.wait`` (its completion and memory), so the launch latency between
+        #: the kernels is hidden. ``pdl_error``: why it was turned off (the driver refused it).
+        self.pdl, self.pdl_error = bool(pdl), None
         self.k, self.stride, self.gofs, self.tab = {}, {}, {}, {}
         for e in ENTRIES:          # ``load``: kernel_all's stand-in (the CPU tests' driver)
             self.k[e], self.stride[e], self.gofs[e] = (load or kernel_all)(e, dev, mode)
@@ -195,15 +202,44 @@ class AllRanks:
         diagnostic subset: the kernels keep no state across steps but the count kernel's
         epochs), no host wait."""
         rd, R, g = self.d.ranks[0], self.d.n_ranks, self.grid
+        first = True
         for part in parts:
             if part == "tally":
-                if g["tally"]:
-                    self.blk["tally"].launch((g["tally"], R), (rd.tally_threads,), stream,
-                                             rd._tally_smem(rd.tally_threads))
+                if not g["tally"]:
+                    continue
+                shape = ((g["tally"], R), (rd.tally_threads,), rd._tally_smem(rd.tally_threads))
             elif part in ("count", "push", "layout"):
-                self.blk[part].launch((1, R), (rd.count_threads,), stream, rd.count_smem)
+                shape = ((1, R), (rd.count_threads,), rd.count_smem)
             else:
-                self.blk[part].launch((g[part], R), (256,), stream)
+                shape = ((g[part], R), (256,), 0)
+            if first or not self.pdl:
+                self.blk[part].launch(shape[0], shape[1], stream, shape[2])
+            else:
+                self._launch_pdl(self.blk[part], *shape, stream)
+            first = False
+
+    def _launch_pdl(self, blk, grid, block, smem: int, stream) -> None:
+        """``blk``'s launch with programmatic stream serialisation (cuLaunchKernelEx); if the
+        driver refuses it, PDL is turned off (``pdl_error`` says why) and it launches plainly."""
+        cu = driver._cu()
+        st = driver.as_stream(stream)
+        driver.ensure_current(blk.kernel.module.device)
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = int(grid[0]), int(grid[1]), 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = int(block[0]), 1, 1
+        cfg.sharedMemBytes, cfg.hStream = int(smem), st.handle
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        try:
+            driver.call("cuLaunchKernelEx", cfg, blk.kernel.func, blk.addrs, 0)
+        except (CudaError, TypeError, ValueError) as e:
+            if isinstance(e, CudaError) and "CAPTURE" in str(e).upper():
+                raise                       # a capture it broke: never hidden
+            self.pdl, self.pdl_error = False, f"{type(e).__name__}: {e}"
+            blk.launch(grid, block, st, smem)
 
     def close(self) -> None:
         for b in self.tab.values():
