@@ -191,7 +191,7 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked):
            "all-ranks dispatch": lambda i: aa.launch(s),
            "all-ranks (table)": lambda i: c.at.launch(s),
            "all-ranks (table) graph": lambda i: g_tab.launch(s),
-           "all-ranks count only": lambda i: aa.launch(s, parts=("count",)),
+           "all-ranks count only": lambda i: aa.launch(s, parts=("tally", "count")),
            "all-ranks count+send": lambda i: aa.launch(s, parts=("tally", "count", "send")),
            "all-ranks split": lambda i: aa.launch(s, parts=SPLIT),
            "floor": lambda i: [f.launch(s) for f in floor],

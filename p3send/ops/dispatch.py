@@ -33,7 +33,7 @@ from ..abi.layout import SENTINEL
 from ..cuda import driver
 from ..cuda.loader import kernel
 from .args import aligned, array_arg, describe
-from .dispatch_all import FUSED, SPLIT, AllRanks, kernel_all
+from .dispatch_all import FUSED, SPLIT, AllRanks, allow_smem, kernel_all
 
 FLAG_INT64 = 1        # p3_dispatch_count: topk_idx is int64
 FLAG_SCOPE_GPU = 2    # every rank on this GPU: .gpu-scope fences, count stores and flags
@@ -517,8 +517,8 @@ class RankDispatch:
         self.k_send = kernel("p3_dispatch_send", device)
         self.k_wait = kernel("p3_dispatch_wait", device)
         self.k_tally = kernel("p3_dispatch_tally", device)
-        driver.set_max_dynamic_smem(self.k_count.func, max(self.count_smem, 1))
-        driver.set_max_dynamic_smem(self.k_tally.func, max(self._tally_smem(self.count_threads), 1))
+        allow_smem(self.k_count.func, self.count_smem)      # (never lowered: the kernel is shared)
+        allow_smem(self.k_tally.func, self._tally_smem(self.count_threads))
         self.recv_x_alloc = alloc(cap * sh.x_bytes + 2 * guard, SENTINEL, "recv_x")
         self.recv_scales_alloc = alloc(cap * sh.s_bytes + 2 * guard, SENTINEL, "recv_scales") if sh.s_bytes else None
         self.src_info_alloc = alloc(8 * cap + 2 * guard, 0xFF, "src_info")

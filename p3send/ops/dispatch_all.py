@@ -113,6 +113,22 @@ BLOCKS = {"tally": ("p3_dispatch_tally", "b_tally"), "count": ("p3_dispatch_coun
 FUSED, SPLIT = ("tally", "count", "send", "wait"), ("tally", "push", "layout", "send", "wait")
 
 
+_SMEM: dict = {}
+
+
+def allow_smem(func, nbytes: int) -> None:
+    """Raise ``func``'s dynamic shared memory limit to ``nbytes`` unless it is higher already:
+    a loaded kernel is shared by every Dispatch of the process (modules are cached), so a
+    smaller shape made later must not lower the limit an earlier one launches with."""
+    held, most = _SMEM.get(id(func), (None, 0))
+    if held is not func:                 # (the entry holds the function: its id is not reused)
+        most = 0
+    if held is not func or nbytes > most:
+        most = max(most, int(nbytes), 1)
+        driver.set_max_dynamic_smem(func, most)
+        _SMEM[id(func)] = (func, most)
+
+
 @functools.cache
 def _derived(entry: str, mode: str) -> tuple[str, int, int]:
     return all_ranks_ptx(loader.ptx_dir().joinpath(entry + ".ptx").read_text(), entry, mode)
@@ -153,8 +169,8 @@ class AllRanks:
         for e in ENTRIES:          # ``load``: kernel_all's stand-in (the CPU tests' driver)
             self.k[e], self.stride[e], self.gofs[e] = (load or kernel_all)(e, dev, mode)
         rd0, R = d.ranks[0], d.n_ranks
-        driver.set_max_dynamic_smem(self.k["p3_dispatch_count"].func, max(rd0.count_smem, 1))
-        driver.set_max_dynamic_smem(self.k["p3_dispatch_tally"].func, max(rd0._tally_smem(rd0.count_threads), 1))
+        allow_smem(self.k["p3_dispatch_count"].func, rd0.count_smem)
+        allow_smem(self.k["p3_dispatch_tally"].func, rd0._tally_smem(rd0.count_threads))
         per_sm = driver.occupancy(self.k["p3_dispatch_count"].func, rd0.count_threads, rd0.count_smem)
         self.resident = per_sm * dev.sm_count
         if mode == "table":

@@ -1,0 +1,154 @@
+"""Batch-2 experiment (issue 29): variants of the shipped all-ranks dispatch step, in turns
+with the per-rank-stream step, the floor and the ceiling, eager and graphed: PDL on / off,
+the wait launch kept / left out, the count kernel's block (1024, 512, 256 threads: a
+Dispatch each, at decode). Every variant's outputs checked byte for byte on every checked
+rank (rows, scales, src_info, offsets, range table, counts, checked topk_idx) before and
+after the timing, graphs replayed with new routing.
+
+    python experiments/dispatch_ab2.py [--cases decode_bf16,decode_fp8,prefill_fp8] [--rounds 10]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+T0 = time.time()  # noqa: E402 below: the clock starts before the imports
+
+from experiments.dispatch_ab import Case, capture, say  # noqa: E402
+from p3send.bench.timing import Timer  # noqa: E402
+from p3send.cuda import driver  # noqa: E402
+from p3send.ops import dispatch as dmod  # noqa: E402
+from p3send.ops.dispatch_all import FUSED  # noqa: E402
+
+R, K, L, H = 8, 8, 32, 7168
+
+
+def launch_parts(d, parts, pdl, s):
+    keep = d.all.pdl
+    d.all.pdl = pdl and keep
+    d.all.launch(s, parts)
+    d.all.pdl = keep
+
+
+def run_case(dev, name, tokens, payload, rounds, rng, checked, threads=(1024,)):
+    say(f"== {name}: {tokens} tokens/rank, {payload}")
+    cs = {}
+    for t in threads:
+        dmod.COUNT_THREADS = t
+        cs[t] = Case(dev, tokens, payload, rng if t == threads[0] else np.random.default_rng(29), checked)
+        if t != threads[0]:             # the same routing and tokens as the first
+            cs[t].topk = cs[threads[0]].topk
+            cs[t].tk.upload(np.stack(cs[t].topk).astype(np.int32))
+            cs[t].plan = cs[threads[0]].plan
+            cs[t].xs.upload(cs[threads[0]].xh.reshape(-1))
+            cs[t].xh = cs[threads[0]].xh
+            if cs[t].ss is not None:
+                cs[t].ss.upload(cs[threads[0]].sh_h.reshape(-1))
+                cs[t].sh_h = cs[threads[0]].sh_h
+    dmod.COUNT_THREADS = 1024
+    c = cs[threads[0]]
+    d = c.d
+    d.per_rank = False
+    s, gs = driver.Stream(), driver.Stream()
+    no_wait = tuple(p for p in FUSED if p != "wait")
+    steps = {"shipped": lambda st: d.enqueue(stream=st),
+             "no PDL": lambda st: launch_parts(d, d.all_parts(), False, st),
+             "with wait": lambda st: launch_parts(d, FUSED, True, st),
+             "with wait, no PDL (batch 1's)": lambda st: launch_parts(d, FUSED, False, st),
+             "no wait, no PDL": lambda st: launch_parts(d, no_wait, False, st)}
+    for t in threads[1:]:
+        steps[f"count {t} threads"] = lambda st, dd=cs[t].d: dd.enqueue(stream=st)
+
+    def per_rank(st):
+        d.per_rank = True
+        d.enqueue(stream=st)
+        d.per_rank = False
+    steps["per-rank streams"] = per_rank
+    say(f"built; pdl {d.all.pdl} ({d.all.pdl_error}); launches {d.all_parts()}; count threads "
+        f"{[cs[t].d.ranks[0].count_threads for t in threads]}")
+    bad = []
+    for n, fn in steps.items():
+        cc = c if not n.startswith("count ") else cs[int(n.split()[1])]
+        cc.reset_outputs()
+        fn(s)
+        s.synchronize()
+        bad += cc.problems(f"{n} eager")
+    say(f"pdl after the first steps: {d.all.pdl} ({d.all.pdl_error})")
+    floor, ceiling = c.floor_and_ceiling()
+    graphs = {"shipped": d.capture(), "no PDL": capture(gs, steps["no PDL"]),
+              "floor": capture(gs, lambda st: [f.launch(st) for f in floor]), "ceiling": capture(gs, ceiling.launch)}
+    fns = {n: (lambda i, fn=fn: fn(s)) for n, fn in steps.items()}
+    fns["floor"] = lambda i: [f.launch(s) for f in floor]
+    fns["ceiling"] = lambda i: ceiling.launch(s)
+    for n, g in graphs.items():
+        fns[f"{n} graph"] = lambda i, g=g: g.launch(s)
+    timer = Timer(s, hold=True, device=dev)
+    timer.HOLD_NS_PER_ITER = 1_000_000
+    res = timer.interleaved(fns, rounds=rounds, per_round=4, warmup=3)
+    s.synchronize()
+    for cc in cs.values():
+        cc.d.check()
+    med = {k: v["median_us"] for k, v in res.items()}
+    for k, v in res.items():
+        extra = (f"  /ceiling {v['median_us'] / med['ceiling']:.3f}" if "graph" not in k else
+                 f"  /ceiling graph {v['median_us'] / med['ceiling graph']:.3f}")
+        say(f"  {k:<32} median {v['median_us']:8.1f} us  (min {v['min_us']:8.1f}){extra}")
+    say(f"  ceiling timeouts {ceiling.errors()}")
+    for i in range(2 if tokens < 1000 else 1):
+        for gname in ("shipped", "no PDL"):
+            c.new_routing()
+            c.reset_outputs()
+            graphs[gname].launch(s)
+            s.synchronize()
+            bad += c.problems(f"{gname} graph replay {i} (new routing)")
+    c.new_routing()
+    c.reset_outputs()
+    d.enqueue(stream=s)
+    s.synchronize()
+    bad += c.problems("shipped eager after the replays")
+    say(f"  exact: {not bad} {bad[:6]}; pdl {d.all.pdl} ({d.all.pdl_error})")
+    for g in graphs.values():
+        g.close()
+    ceiling.close()
+    for f in floor:
+        f.close()
+    for cc in cs.values():
+        cc.close()
+    return not bad
+
+
+def main(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="decode_bf16,decode_fp8,prefill_fp8")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--budget", type=float, default=60.0, help="skip further cases past this many seconds")
+    a = ap.parse_args(argv)
+    dev = driver.device()
+    say(f"device {dev.name}")
+    rng = np.random.default_rng(29)
+    shapes = {"decode_bf16": (128, "bf16", range(R), (1024, 512, 256)),
+              "decode_fp8": (128, "fp8", range(R), (1024, 512, 256)),
+              "prefill_fp8": (4096, "fp8", (0, 7), (1024,)), "prefill_bf16": (4096, "bf16", (0, 7), (1024,))}
+    allok = True
+    for name in a.cases.split(","):
+        if time.time() - T0 > a.budget:
+            say(f"skip {name}: past the budget")
+            continue
+        tokens, payload, checked, threads = shapes[name]
+        try:
+            allok &= run_case(dev, name, tokens, payload, a.rounds if tokens < 1000 else max(4, a.rounds // 2), rng,
+                              checked, threads)
+        except Exception as e:         # report and go on to the next case
+            import traceback
+            traceback.print_exc()
+            say(f"{name}: FAILED {type(e).__name__}: {e}")
+            allok = False
+    say(f"done, all exact: {allok}")
+    return 0 if allok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
