@@ -97,6 +97,11 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked, threads=(1024,)):
                  f"  /ceiling graph {v['median_us'] / med['ceiling graph']:.3f}")
         say(f"  {k:<32} median {v['median_us']:8.1f} us  (min {v['min_us']:8.1f}){extra}")
     say(f"  ceiling timeouts {ceiling.errors()}")
+    if tokens < 1000:
+        try:
+            count_phases(dev, c, s)
+        except Exception as e:       # a diagnostic: reported, the case goes on
+            say(f"  count phases FAILED: {type(e).__name__}: {e}")
     for i in range(2 if tokens < 1000 else 1):
         for gname in ("shipped", "no PDL"):
             c.new_routing()
@@ -152,3 +157,66 @@ def main(argv):
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))
+
+
+# ---------------------------------------------------------------- where the count kernel's time goes
+
+STAMPS = ("CONFIG_OK", "CHUNKS_DONE", "PUSH_DONE", "POLL_DONE", "SIZES_DONE", "STARTS_DONE", "OWN_TABLE_DONE",
+          "DEST_DONE")
+
+
+def stamped_count(dev):
+    """The all-ranks count kernel with %globaltimer stamps by thread 0 of every CTA: at its start
+    and at each label of STAMPS, into the u64[16] a pointer after the rank's row points at."""
+    import re
+
+    from p3send.cuda import loader
+    from p3send.ops.dispatch_all import _derived
+    text, stride, gofs = _derived("p3_dispatch_count", "param")
+    new = stride + 8
+    text = text.replace(f"p3_ranks[{8 * stride}]", f"p3_ranks[{8 * new}]")
+    text = text.replace(f"%p3all_y, {stride}, %p3all_row;", f"%p3all_y, {new}, %p3all_row;")
+    pro = ("    .reg .pred %p3s0;\n    .reg .b64 %p3sp, %p3st;\n    .reg .b32 %p3sx;\n"
+           "    mov.u32 %p3sx, %tid.x;\n    setp.eq.u32 %p3s0, %p3sx, 0;\n"
+           f"    ld.param.u64 %p3sp, [%p3all_row+{stride}];\n"
+           "    mov.u64 %p3st, %globaltimer;\n    @%p3s0 st.global.u64 [%p3sp], %p3st;\n")
+    text = text.replace("    griddepcontrol.wait;", "    griddepcontrol.wait;\n" + pro, 1)
+    for i, lab in enumerate(STAMPS, 1):
+        text, n = re.subn(rf"^{lab}:\n", f"{lab}:\n    mov.u64 %p3st, %globaltimer;\n"
+                                          f"    @%p3s0 st.global.u64 [%p3sp+{8 * i}], %p3st;\n", text, flags=re.M)
+        assert n == 1, lab
+    k = loader.load(text, device=dev, name="p3_dispatch_count_all.stamped.ptx")["p3_dispatch_count_all"]
+    return k, stride, new
+
+
+def count_phases(dev, c, s, steps=12):
+    from p3send.ops.dispatch_all import allow_smem
+    d = c.d
+    d.per_rank = False
+    d.enqueue(stream=s)                  # rows up to date
+    s.synchronize()
+    d.check()
+    k, stride, new = stamped_count(dev)
+    rd = d.ranks[0]
+    allow_smem(k.func, rd.count_smem)
+    raw = bytes(d.all.blk["count"].get("p3_ranks"))
+    buf = driver.DeviceBuffer(8 * 16 * R, fill=0)
+    rows = b"".join(raw[r * stride:(r + 1) * stride] + (buf.ptr + 128 * r).to_bytes(8, "little") for r in range(R))
+    blk = k.params_block(p3_ranks=rows + bytes(8 * new - len(rows)))
+    per = []
+    for _ in range(steps):
+        blk.launch((1, R), (rd.count_threads,), s, rd.count_smem)
+        d.all.launch(s, ("send",))
+        s.synchronize()
+        per.append(buf.download(np.uint64).reshape(R, 16)[:, :len(STAMPS) + 1].astype(np.int64))
+    d.check()
+    buf.free()
+    a = np.stack(per)                                     # (steps, R, 1 + stamps)
+    t0 = a[:, :, 0].min(axis=1, keepdims=True)
+    rel = (a - t0[:, :, None]) / 1000.0                   # us from the first CTA's start
+    names = ("start",) + STAMPS
+    say("  count kernel, thread 0 of each rank's CTA, us from the first CTA's start (median over steps; "
+        "min / median / max over ranks):")
+    med = np.median(rel, axis=0)                          # (R, stamps)
+    for j, n in enumerate(names):
+        say(f"    {n:<16} {med[:, j].min():7.2f} {np.median(med[:, j]):7.2f} {med[:, j].max():7.2f}")
