@@ -26,6 +26,23 @@ from p3send.ops.dispatch_all import FUSED  # noqa: E402
 R, K, L, H = 8, 8, 32, 7168
 
 
+HEAD_COUNT = __import__("pathlib").Path(__file__).resolve().parent / "data" / "p3_dispatch_count.fbb32ce.ptx.txt"
+
+
+def head_count_launcher(d):
+    """An AllRanks of ``d`` whose count kernel is fbb32ce's (before the tally sum's four loads in
+    flight and the DEST pass's two-ahead prefetch), the other kernels the shipped ones."""
+    from p3send.cuda import loader
+    from p3send.ops.dispatch_all import AllRanks, all_ranks_ptx, kernel_all
+
+    def load(entry, dev, mode):
+        if entry != "p3_dispatch_count":
+            return kernel_all(entry, dev, mode)
+        text, stride, gofs = all_ranks_ptx(HEAD_COUNT.read_text(), entry, mode)
+        return loader.load(text, device=dev, name="p3_dispatch_count_all.fbb32ce.ptx")[entry + "_all"], stride, gofs
+    return AllRanks(d, load=load)
+
+
 def launch_parts(d, parts, pdl, s):
     keep = d.all.pdl
     d.all.pdl = pdl and keep
@@ -61,6 +78,8 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked, threads=(1024,)):
              "no wait, no PDL": lambda st: launch_parts(d, no_wait, False, st)}
     for t in threads[1:]:
         steps[f"count {t} threads"] = lambda st, dd=cs[t].d: dd.enqueue(stream=st)
+    ah = head_count_launcher(d)
+    steps["count kernel of fbb32ce"] = lambda st: ah.launch(st, d.all_parts())
 
     def per_rank(st):
         d.per_rank = True
@@ -120,6 +139,7 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked, threads=(1024,)):
     ceiling.close()
     for f in floor:
         f.close()
+    ah.close()
     for cc in cs.values():
         cc.close()
     return not bad
