@@ -829,3 +829,33 @@ def test_moe_layer_refuses_arguments_of_the_wrong_type_by_name(torch_mods, fake)
     with pytest.raises(ConfigError) as ei:
         moe.MoELayer("2", hidden=256, inter=64, n_experts=4, top_k=2, tokens=4)
     assert ei.value.problems[0].startswith("n_ranks:") and fake.allocs == 0
+
+
+@pytest.mark.parametrize("fused, align, want", [
+    (True, 1, ("tally", "count", "send")),                     # no padding to zero: no wait launch
+    (True, 128, ("tally", "count", "send", "wait")),           # the wait zeroes the padding rows
+    (False, 1, ("tally", "push", "layout", "send", "wait")),   # split: every wait on an earlier launch
+    (False, 128, ("tally", "push", "layout", "send", "wait"))])
+def test_the_all_ranks_step_launches(fake, fused, align, want):
+    d = make_dispatch(fused=fused, align=align)
+    try:
+        assert d.all_parts() == want and not d.per_rank
+        assert d.all.pdl                                       # PDL asked for; the driver may refuse it later
+    finally:
+        d.close()
+
+
+def test_a_changed_rank_block_rebuilds_the_launch_rows_at_the_next_step(fake, monkeypatch):
+    monkeypatch.setattr(driver, "pointer_ordinal", lambda addr: 0)
+    d = make_dispatch()
+    calls = []
+    monkeypatch.setattr(d.all, "refresh", lambda: calls.append(1))
+    monkeypatch.setattr(d.all, "launch", lambda stream, parts: calls.append(parts))
+    try:
+        d.enqueue()
+        d.enqueue()                                            # nothing changed: no rebuild
+        d.ranks[1].set_control(-1)
+        d.enqueue()
+        assert calls == [1, d.all_parts(), d.all_parts(), 1, d.all_parts()]
+    finally:
+        d.close()
