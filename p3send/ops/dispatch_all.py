@@ -235,27 +235,16 @@ class AllRanks:
             first = False
 
     def _launch_pdl(self, blk, grid, block, smem: int, stream) -> None:
-        """``blk``'s launch with programmatic stream serialisation (cuLaunchKernelEx); if the
-        driver refuses it, PDL is turned off (``pdl_error`` says why) and it launches plainly."""
-        cu = driver._cu()
-        st = driver.as_stream(stream)
+        """``blk``'s launch with programmatic stream serialisation (``driver.launch_programmatic``);
+        if the driver refuses it, PDL is turned off (``pdl_error`` says why) and it launches plainly."""
         driver.ensure_current(blk.kernel.module.device)
-        cfg = cu.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = int(grid[0]), int(grid[1]), 1
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = int(block[0]), 1, 1
-        cfg.sharedMemBytes, cfg.hStream = int(smem), st.handle
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
         try:
-            driver.call("cuLaunchKernelEx", cfg, blk.kernel.func, blk.addrs, 0)
+            driver.launch_programmatic(blk.kernel.func, grid, block, smem, stream, blk.addrs, blk.kernel.name)
         except (CudaError, TypeError, ValueError) as e:
             if isinstance(e, CudaError) and "CAPTURE" in str(e).upper():
                 raise                       # a capture it broke: never hidden
             self.pdl, self.pdl_error = False, f"{type(e).__name__}: {e}"
-            blk.launch(grid, block, st, smem)
+            blk.launch(grid, block, stream, smem)
 
     def close(self) -> None:
         for b in self.tab.values():
