@@ -15,8 +15,9 @@ and the capacity, never from this step's counts, so a captured graph replays wit
 routing. Counters are device-side epochs: nothing is reset between steps or replays.
 
 ``Dispatch`` runs every rank on one GPU in this process (the counterpart of
-``Combine``); ``RankDispatch`` is one rank's buffers and launchers, which ``Dispatch``
-and a one-process-per-rank runner share.
+``Combine``), each kernel as one launch for all ranks (``dispatch_all``); ``RankDispatch``
+is one rank's buffers and launchers, which ``Dispatch`` (its ``per_rank`` step) and a
+one-process-per-rank runner share.
 """
 from __future__ import annotations
 
@@ -839,8 +840,9 @@ class Dispatch:
     recv_x, recv_scales, src_info, expert_offsets, range_table, expert_counts and topk_out
     (shapes in ``RankDispatch``). A step (``enqueue``) = one launch per kernel for every
     rank on the step's stream (``dispatch_all.AllRanks``: rank = the grid's y, the ranks'
-    parameter blocks in the launch's own parameters): the tally when used, the count,
-    the send, the wait; ``check`` afterwards raises what the device found. ``per_rank``:
+    parameter blocks in the launch's own parameters): the tally when used, the count, the
+    send, and the wait only where it zeroes padding rows (``all_parts``); the second and
+    later launches with PDL. ``check`` afterwards raises what the device found. ``per_rank``:
     instead every rank's kernels on its own stream, forked from and joined into the step's
     stream (the step of a one-process-per-rank runner, as each rank launches it; an
     attribute: it may be switched between steps).
