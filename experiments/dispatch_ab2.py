@@ -75,7 +75,8 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked, threads=(1024,)):
              "no PDL": lambda st: launch_parts(d, d.all_parts(), False, st),
              "with wait": lambda st: launch_parts(d, FUSED, True, st),
              "with wait, no PDL (batch 1's)": lambda st: launch_parts(d, FUSED, False, st),
-             "no wait, no PDL": lambda st: launch_parts(d, no_wait, False, st)}
+             "no wait, no PDL": lambda st: launch_parts(d, no_wait, False, st),
+             "no wait, the send's signal kept": lambda st: launch_parts(d, no_wait, True, st)}
     for t in threads[1:]:
         steps[f"count {t} threads"] = lambda st, dd=cs[t].d: dd.enqueue(stream=st)
     ah = head_count_launcher(d)
@@ -90,7 +91,7 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked, threads=(1024,)):
         f"{[cs[t].d.ranks[0].count_threads for t in threads]}")
     bad = []
     for n, fn in steps.items():
-        cc = c if not n.startswith("count ") else cs[int(n.split()[1])]
+        cc = cs[int(n.split()[1])] if n.endswith(" threads") else c
         cc.reset_outputs()
         fn(s)
         s.synchronize()

@@ -34,7 +34,7 @@ from ..abi.layout import SENTINEL
 from ..cuda import driver
 from ..cuda.loader import kernel
 from .args import aligned, array_arg, describe
-from .dispatch_all import FUSED, SPLIT, AllRanks, allow_smem, kernel_all
+from .dispatch_all import FUSED, FUSED_NO_WAIT, SPLIT, AllRanks, allow_smem, kernel_all
 
 FLAG_INT64 = 1        # p3_dispatch_count: topk_idx is int64
 FLAG_SCOPE_GPU = 2    # every rank on this GPU: .gpu-scope fences, count stores and flags
@@ -42,6 +42,7 @@ FLAG_PUSH_ONLY = 4    # p3_dispatch_count, split in two launches: count and push
 FLAG_LAYOUT_ONLY = 8  # ... then the wait and the layout
 FLAG_TALLIED = 16     # p3_dispatch_count: p3_dispatch_tally made the token pass (one CTA per chunk)
 FLAG_ZERO_PAD = 1     # p3_dispatch_wait: zero the padding rows
+# FLAG_NO_SIGNAL (4, p3_dispatch_send: no per-CTA count, no flag): dispatch_all sets it in its quiet send rows
 
 #: Threads of each kernel's CTA. The count kernel's block is its chunk of tokens: 1024 where
 #: its shared memory fits (E <= 640 or so), else 512. The tally kernel's block (its chunk):
@@ -1031,13 +1032,14 @@ class Dispatch:
 
     def all_parts(self) -> tuple:
         """The launches of the all-ranks step: the split one, or the fused one, whose wait
-        launch is left out unless it zeroes padding rows: every rank's send has finished, with
-        its rows and flags stored, before a launch after it on the same stream starts (stream
-        order is the acquire), and a source that sent nothing is the one whose counts timed
-        out or whose launch was rejected, which the records name already."""
+        launch is left out unless it zeroes padding rows, its send then without the signal
+        (FLAG_NO_SIGNAL): every rank's send has finished, with its rows stored, before a
+        launch after it on the same stream starts (stream order is the acquire), and a source
+        that sent nothing is the one whose counts timed out or whose launch was rejected,
+        which the records name already."""
         if not self.fused:
             return SPLIT
-        return FUSED if self.shape.zero_padding else tuple(p for p in FUSED if p != "wait")
+        return FUSED if self.shape.zero_padding else FUSED_NO_WAIT
 
     def capture(self) -> driver.Graph:
         """A CUDA graph of one step; replay with ``graph.launch(dispatch.origin)``."""

@@ -107,10 +107,16 @@ ENTRIES = ("p3_dispatch_count", "p3_dispatch_send", "p3_dispatch_wait", "p3_disp
 #: The launches of a step: name -> (the entry, the RankDispatch parameter block it takes).
 BLOCKS = {"tally": ("p3_dispatch_tally", "b_tally"), "count": ("p3_dispatch_count", "b_count"),
           "push": ("p3_dispatch_count", "b_push"), "layout": ("p3_dispatch_count", "b_layout"),
-          "send": ("p3_dispatch_send", "b_send"), "wait": ("p3_dispatch_wait", "b_wait")}
-#: A step's launches: fused (the count kernels wait for each other inside one launch) and
-#: split (no launch waits for another CTA of itself: every wait is on an earlier launch).
-FUSED, SPLIT = ("tally", "count", "send", "wait"), ("tally", "push", "layout", "send", "wait")
+          "send": ("p3_dispatch_send", "b_send"), "wait": ("p3_dispatch_wait", "b_wait"),
+          "send_quiet": ("p3_dispatch_send", "b_send")}
+#: p3_dispatch_send's flag bit: no per-CTA signal, no arrival flag (``send_quiet``'s rows).
+FLAG_NO_SIGNAL = 4
+#: A step's launches: fused (the count kernels wait for each other inside one launch), fused
+#: without the wait (its send without the signal nobody waits for: the launch boundary is the
+#: arrival) and split (no launch waits for another CTA of itself: every wait is on an earlier
+#: launch).
+FUSED, FUSED_NO_WAIT = ("tally", "count", "send", "wait"), ("tally", "count", "send_quiet")
+SPLIT = ("tally", "push", "layout", "send", "wait")
 
 
 _SMEM: dict = {}
@@ -127,6 +133,13 @@ def allow_smem(func, nbytes: int) -> None:
         most = max(most, int(nbytes), 1)
         driver.set_max_dynamic_smem(func, most)
         _SMEM[id(func)] = (func, most)
+
+
+@functools.cache
+def param_offset(entry: str, name: str) -> int:
+    """The offset of a shipped entry's parameter (its declaration, as the loader checks it)."""
+    return {p.name: p.offset for p in ptxdoc.parse_decls(loader.ptx_dir().joinpath(entry + ".ptx").read_text())[
+        entry]}[name]
 
 
 @functools.cache
@@ -192,12 +205,16 @@ class AllRanks:
                                    f"needs one block"], "all-ranks dispatch")
         own = {"tally": [rd.tally_grid if rd.tally else 0 for rd in rs], "count": [1] * len(rs),
                "push": [1] * len(rs), "layout": [1] * len(rs), "send": [rd.send_grid for rd in rs],
-               "wait": [rd.wait_grid for rd in rs]}
+               "wait": [rd.wait_grid for rd in rs], "send_quiet": [rd.send_grid for rd in rs]}
+        fo = param_offset("p3_dispatch_send", "flags")
         for b, (e, attr) in BLOCKS.items():
             rows = []
             for rd, g in zip(rs, own[b]):
                 row = bytearray(block_bytes(getattr(rd, attr), self.stride[e]))
                 row[self.gofs[e]:self.gofs[e] + 4] = int(g).to_bytes(4, "little")
+                if b == "send_quiet":        # the rank's send block with FLAG_NO_SIGNAL set
+                    flags = int.from_bytes(row[fo:fo + 4], "little") | FLAG_NO_SIGNAL
+                    row[fo:fo + 4] = flags.to_bytes(4, "little")
                 rows.append(bytes(row))
             raw = b"".join(rows)
             if self.mode == "table":

@@ -104,14 +104,20 @@ def fake_dispatch(grids):
 def test_the_rows_hold_each_ranks_block_and_its_own_grid():
     a, ranks = fake_dispatch([5, 9, 1])
     a.refresh()
-    assert a.grid == {"tally": 3, "count": 1, "push": 1, "layout": 1, "send": 9, "wait": 2}
+    assert a.grid == {"tally": 3, "count": 1, "push": 1, "layout": 1, "send": 9, "wait": 2, "send_quiet": 9}
+    fo = da.param_offset("p3_dispatch_send", "flags")
     for b, (e, attr) in da.BLOCKS.items():
         raw, st, go = a.blk[b].raw, a.stride[e], a.gofs[e]
         assert len(raw) == da.MAX_RANKS * st
         for r, rd in enumerate(ranks):
-            row = raw[r * st:(r + 1) * st]
-            assert row[:go] == da.block_bytes(getattr(rd, attr), st)[:go]
-            own = {"tally": 3 if r % 2 == 0 else 0, "send": rd.send_grid, "wait": 2}.get(b, 1)
+            row = bytearray(raw[r * st:(r + 1) * st])
+            want = bytearray(da.block_bytes(getattr(rd, attr), st))
+            if b == "send_quiet":            # the send's block with FLAG_NO_SIGNAL added to its flags
+                assert int.from_bytes(row[fo:fo + 4], "little") == int.from_bytes(want[fo:fo + 4], "little") | 4
+                row[fo:fo + 4] = want[fo:fo + 4]
+            assert row[:go] == want[:go]
+            own = {"tally": 3 if r % 2 == 0 else 0, "send": rd.send_grid, "send_quiet": rd.send_grid,
+                   "wait": 2}.get(b, 1)
             assert int.from_bytes(row[go:go + 4], "little") == own
         assert raw[len(ranks) * st:] == bytes((da.MAX_RANKS - len(ranks)) * st)
 
@@ -121,3 +127,14 @@ def test_ranks_with_different_blocks_are_refused():
     ranks[1].count_threads = 512
     with pytest.raises(ConfigError, match="count_threads: differs between ranks"):
         a.refresh()
+
+
+def test_the_quiet_send_flag_is_the_kernels():
+    """FLAG_NO_SIGNAL as p3_dispatch_send's header names it, and the kernel branches past its
+    signal on it (the one branch before the signal's bar.sync)."""
+    text = shipped("p3_dispatch_send")
+    consts = dict(kv.split("=") for kv in re.search(r"// CONSTANTS (.*)", text).group(1).split())
+    assert int(consts["FLAG_NO_SIGNAL"]) == da.FLAG_NO_SIGNAL
+    sig = text.index("// ---------------------------------------------------------------- the signal")
+    assert re.match(r"\s*// -+ the signal\n\s*@%quiet bra\s+EXIT;", text[sig:])
+    assert "and.b32             %r2, %r1, 4;                 // FLAG_NO_SIGNAL" in text

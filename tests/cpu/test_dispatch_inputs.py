@@ -832,7 +832,7 @@ def test_moe_layer_refuses_arguments_of_the_wrong_type_by_name(torch_mods, fake)
 
 
 @pytest.mark.parametrize("fused, align, want", [
-    (True, 1, ("tally", "count", "send")),                     # no padding to zero: no wait launch
+    (True, 1, ("tally", "count", "send_quiet")),               # no padding to zero: no wait, no signal
     (True, 128, ("tally", "count", "send", "wait")),           # the wait zeroes the padding rows
     (False, 1, ("tally", "push", "layout", "send", "wait")),   # split: every wait on an earlier launch
     (False, 128, ("tally", "push", "layout", "send", "wait"))])
