@@ -174,23 +174,25 @@ PARTS = ("fork", "tally", "count", "send", "wait", "join")
 def breakdown_all(d: Dispatch, s, steps: int = 12) -> dict:
     """Per-launch times of the all-ranks step (``Dispatch.enqueue``'s launches, one stream),
     from events between the launches, the stream held until every step is enqueued: per part
-    the median over steps. fork / join are 0 (one stream); tally: an empty event pair when
-    not used."""
+    the median over steps. fork / join are 0 (one stream), wait 0 when the step has none;
+    tally: an empty event pair when not used; send: the quiet send where the step uses it."""
     hold = Timer(s, device=d.dev)
     hold.HOLD_NS_PER_ITER = 200_000
-    marks = [[driver.Event() for _ in range(5)] for _ in range(steps)]
+    parts = d.all_parts()                        # the shipped step's launches (no wait: 0 us)
+    marks = [[driver.Event() for _ in range(len(parts) + 1)] for _ in range(steps)]
     d.enqueue(stream=s)                          # the rows of the launches up to date
     hold.hold_stream(4 * steps)
     for m in marks:
         m[0].record(s)
-        for j, part in enumerate(("tally", "count", "send", "wait")):
+        for j, part in enumerate(parts):
             d.all.launch(s, (part,))
             m[j + 1].record(s)
     s.synchronize()
     d.check()
-    out = {"fork": 0.0, "join": 0.0}
-    for j, n in enumerate(("tally", "count", "send", "wait")):
-        out[n] = 1000.0 * statistics.median(m[j].elapsed_ms(m[j + 1]) for m in marks)
+    out = {"fork": 0.0, "tally": 0.0, "count": 0.0, "send": 0.0, "wait": 0.0, "join": 0.0}
+    for j, part in enumerate(parts):
+        n = "send" if part.startswith("send") else "count" if part in ("push", "layout") else part
+        out[n] += 1000.0 * statistics.median(m[j].elapsed_ms(m[j + 1]) for m in marks)
     for ev in [e for m in marks for e in m]:
         ev.close()
     return out
