@@ -37,6 +37,7 @@ import ctypes
 from ..abi.layout import SENTINEL
 from ..cuda import driver, loader
 from ..ops.dispatch import ArrayView, Dispatch
+from ..ops.dispatch_all import AllRanks
 from ..oracle import dispatch as dref
 from ..oracle.cases import random_topk
 from .baselines import Launch, cuda_function
@@ -340,10 +341,16 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
             fn(s)
         graphs[name] = cap.graph
 
-    def one_cta(i):
+    one = None
+    if tally_default:
+        # the single-CTA token pass's launches built once: refilling every rank's blocks and the
+        # launch rows at every call (set_tally twice) would put host time into the turns
         d.set_tally(False)
-        d.enqueue(stream=s)
+        one = AllRanks(d)
         d.set_tally(None)
+
+    def one_cta(i):
+        one.launch(s, d.all_parts())
 
     def per_rank(i):
         d.per_rank = True
@@ -395,6 +402,8 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
     exact = exact and fresh_step(False) and fresh_step(False, graphs["dispatch"])   # after every contender too
     for g in graphs.values():
         g.close()
+    if one is not None:
+        one.close()
     moved = R * tokens * (sh.x_bytes + sh.s_bytes) + sum(len(p.data_rows) for p in plan.dest) * (sh.x_bytes +
                                                                                                  sh.s_bytes)
     out = {"tokens": tokens, "payload": payload, "exact": exact, "bytes_moved": moved,
