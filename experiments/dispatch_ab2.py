@@ -176,9 +176,6 @@ def main(argv):
     return 0 if allok else 1
 
 
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
-
 
 # ---------------------------------------------------------------- where the count kernel's time goes
 
@@ -241,3 +238,7 @@ def count_phases(dev, c, s, steps=12):
     med = np.median(rel, axis=0)                          # (R, stamps)
     for j, n in enumerate(names):
         say(f"    {n:<16} {med[:, j].min():7.2f} {np.median(med[:, j]):7.2f} {med[:, j].max():7.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
