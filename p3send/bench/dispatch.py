@@ -10,9 +10,15 @@ and fp8 payloads, timed in turns with
   every rank's exchange buffer and waits for all of them, the floor, then one kernel in which
   every rank stores one flag into every rank and waits for its own; three launches on one
   stream);
+- the dispatch as shipped (``Dispatch``: one launch per kernel for every rank, on one
+  stream, the launches after the first with PDL), without PDL, and with every rank's
+  kernels on its own stream (``per_rank``, the step before);
+- each of dispatch, floor and ceiling also replayed as a captured CUDA graph (the production
+  mode at decode), reported beside the eager figures;
 - diagnostics: the dispatch with its single-CTA token pass (where the tally is the default),
   the dispatch at 0 tokens (its launches, exchange and signal with nothing to move), and a
-  per-kernel breakdown of a step (events on every rank's stream around each kernel);
+  per-kernel breakdown of a step (events on the stream between the launches; for the
+  per-rank streams, on every rank's stream around each kernel);
 - what a torch user writes instead: a stable sort of the copies by expert, then
   ``index_select`` of the rows into the same grouped layout (and the counts by bincount),
   every rank's tokens at once.
@@ -28,8 +34,10 @@ import numpy as np
 
 import ctypes
 
+from ..abi.layout import SENTINEL
 from ..cuda import driver, loader
 from ..ops.dispatch import ArrayView, Dispatch
+from ..ops.dispatch_all import AllRanks
 from ..oracle import dispatch as dref
 from ..oracle.cases import random_topk
 from .baselines import Launch, cuda_function
@@ -164,6 +172,33 @@ class Ceiling:
 PARTS = ("fork", "tally", "count", "send", "wait", "join")
 
 
+def breakdown_all(d: Dispatch, s, steps: int = 12) -> dict:
+    """Per-launch times of the all-ranks step (``Dispatch.enqueue``'s launches, one stream),
+    from events between the launches, the stream held until every step is enqueued: per part
+    the median over steps. fork / join are 0 (one stream), wait 0 when the step has none;
+    tally: an empty event pair when not used; send: the quiet send where the step uses it."""
+    hold = Timer(s, device=d.dev)
+    hold.HOLD_NS_PER_ITER = 200_000
+    parts = d.all_parts()                        # the shipped step's launches (no wait: 0 us)
+    marks = [[driver.Event() for _ in range(len(parts) + 1)] for _ in range(steps)]
+    d.enqueue(stream=s)                          # the rows of the launches up to date
+    hold.hold_stream(4 * steps)
+    for m in marks:
+        m[0].record(s)
+        for j, part in enumerate(parts):
+            d.all.launch(s, (part,))
+            m[j + 1].record(s)
+    s.synchronize()
+    d.check()
+    out = {"fork": 0.0, "tally": 0.0, "count": 0.0, "send": 0.0, "wait": 0.0, "join": 0.0}
+    for j, part in enumerate(parts):
+        n = "send" if part.startswith("send") else "count" if part in ("push", "layout") else part
+        out[n] += 1000.0 * statistics.median(m[j].elapsed_ms(m[j + 1]) for m in marks)
+    for ev in [e for m in marks for e in m]:
+        ev.close()
+    return out
+
+
 def breakdown(d: Dispatch, s, steps: int = 12) -> dict:
     """Per-kernel times of the fused step (as ``Dispatch.enqueue``), from events on every
     rank's stream around each kernel, the stream held until every step is enqueued: per part
@@ -262,27 +297,81 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
                 scales=ArrayView(ss.ptr, (0, sh.s_bytes // 4), np.float32) if ss else None)
     s = ctx.stream
     tally_default = d.ranks[0].tally
-    d.enqueue(stream=s)                      # checked once before timing
-    s.synchronize()
-    d.check()
-    parts = {"dispatch": breakdown(d, s)}
+    n0 = int(plan.dest[0].expert_offsets[-1])
+    rows0 = [xs.download(np.uint8, offset=p * tokens * sh.x_bytes, nbytes=tokens * sh.x_bytes).reshape(
+        tokens, sh.x_bytes) for p in range(R)]
+
+    def rank0_exact() -> bool:
+        """Rank 0's rows after the last step, on rows filled with the sentinel first."""
+        got = d.ranks[0].recv_x_alloc.download(np.uint8, nbytes=n0 * sh.x_bytes).reshape(n0, sh.x_bytes)
+        want = dref.expected_rows(plan, 0, rows0, np.full_like(got, SENTINEL), zero_padding=False)
+        return bool(np.array_equal(got, want))
+
+    def fresh_step(per_rank: bool, graph=None) -> bool:
+        """One step (or the graph's replay) of the dispatch on sentinel-filled rows, checked."""
+        d.ranks[0].recv_x_alloc.fill(SENTINEL)
+        dev.synchronize()
+        d.per_rank = per_rank
+        if graph is None:
+            d.enqueue(stream=s)
+        else:
+            graph.launch(s)
+        s.synchronize()
+        d.per_rank = False
+        d.check()
+        return rank0_exact()
+
+    exact = fresh_step(False) and fresh_step(True)            # checked before timing: both steps
+    parts = {"dispatch": breakdown_all(d, s)}
+    d.per_rank = True
+    parts["dispatch, per-rank streams"] = breakdown(d, s)
+    d.per_rank = False
     if tally_default:                        # the single-CTA token pass, for comparison
         d.set_tally(False)
-        parts["dispatch, one-CTA count"] = breakdown(d, s)
+        parts["dispatch, one-CTA count"] = breakdown_all(d, s)
         d.set_tally(None)
-    parts["dispatch at 0 tokens"] = breakdown(d0, s)
-    got = d.ranks[0].view("recv_x")[: int(plan.dest[0].expert_offsets[-1])]
-    want = dref.expected_rows(plan, 0, [xs.download(np.uint8, offset=p * tokens * sh.x_bytes,
-                                                    nbytes=tokens * sh.x_bytes).reshape(tokens, sh.x_bytes)
-                                         for p in range(R)], got, zero_padding=False)
-    exact = bool(np.array_equal(got, want))
-    def one_cta(i):
+    parts["dispatch at 0 tokens"] = breakdown_all(d0, s)
+    graphs = {"dispatch": d.capture()}
+    d.per_rank = True
+    graphs["per-rank streams"] = d.capture()
+    d.per_rank = False
+    exact = exact and fresh_step(False, graphs["dispatch"]) and fresh_step(True, graphs["per-rank streams"])
+    for name, fn in (("copy floor", lambda st: [f.launch(st) for f in floor]), ("ceiling", ceiling.launch)):
+        with driver.Graph.capture(s) as cap:
+            fn(s)
+        graphs[name] = cap.graph
+
+    one = None
+    if tally_default:
+        # the single-CTA token pass's launches built once: refilling every rank's blocks and the
+        # launch rows at every call (set_tally twice) would put host time into the turns
         d.set_tally(False)
-        d.enqueue(stream=s)
+        one = AllRanks(d)
         d.set_tally(None)
+
+    def one_cta(i):
+        one.launch(s, d.all_parts())
+
+    def per_rank(i):
+        d.per_rank = True
+        d.enqueue(stream=s)
+        d.per_rank = False
+
+    pdl = d.all.pdl
+
+    def no_pdl(i):
+        d.all.pdl = False
+        d.enqueue(stream=s)
+        d.all.pdl = pdl
     fns = {"dispatch": lambda i: d.enqueue(stream=s),
+           "dispatch, no PDL": no_pdl,
+           "dispatch graph": lambda i: graphs["dispatch"].launch(s),
+           "per-rank streams": per_rank,
+           "per-rank streams graph": lambda i: graphs["per-rank streams"].launch(s),
            "copy floor": lambda i: [f.launch(s) for f in floor],
+           "floor graph": lambda i: graphs["copy floor"].launch(s),
            "ceiling": lambda i: ceiling.launch(s),
+           "ceiling graph": lambda i: graphs["ceiling"].launch(s),
            "floor + per-CTA signal": lambda i: [f.launch(s, signal=True) for f in floor],
            "dispatch at 0 tokens": lambda i: d0.enqueue(stream=s)}
     if tally_default:
@@ -310,18 +399,26 @@ def _bench_case(ctx, tokens: int, payload: str) -> dict:
     res = timer.interleaved(fns, rounds=max(4, a.iters // 5), per_round=4, warmup=max(2, a.warmup // 2))
     s.synchronize()
     d.check()
-    got = d.ranks[0].view("recv_x")[: int(plan.dest[0].expert_offsets[-1])]
-    exact = exact and bool(np.array_equal(got, want))      # after every contender's steps too
+    exact = exact and fresh_step(False) and fresh_step(False, graphs["dispatch"])   # after every contender too
+    for g in graphs.values():
+        g.close()
+    if one is not None:
+        one.close()
     moved = R * tokens * (sh.x_bytes + sh.s_bytes) + sum(len(p.data_rows) for p in plan.dest) * (sh.x_bytes +
                                                                                                  sh.s_bytes)
     out = {"tokens": tokens, "payload": payload, "exact": exact, "bytes_moved": moved,
            "capacity_rows": sh.capacity, "bytes_per_rank": sh.bytes_per_rank, "tally": tally_default,
            "tally_threads": d.ranks[0].tally_threads, "count_threads": d.ranks[0].count_threads,
+           "pdl": d.all.pdl, "pdl_error": d.all.pdl_error, "launches": list(d.all_parts()),
            "results": {k: v["median_us"] for k, v in res.items()}, "breakdown_us": parts,
            "ceiling_timeouts": ceiling.errors()}
     r = out["results"]
     out["over_floor"] = r["dispatch"] / r["copy floor"]
     out["over_ceiling"] = r["dispatch"] / r["ceiling"]
+    out["graph_over_floor"] = r["dispatch graph"] / r["floor graph"]
+    out["graph_over_ceiling"] = r["dispatch graph"] / r["ceiling graph"]
+    out["per_rank_over_ceiling"] = r["per-rank streams"] / r["ceiling"]
+    out["no_pdl_over_ceiling"] = r["dispatch, no PDL"] / r["ceiling"]
     if tally_default:
         out["one_cta_over_floor"] = r["dispatch, one-CTA count"] / r["copy floor"]
     out["floor_TBps"] = moved / (r["copy floor"] * 1e-6) / 1e12
@@ -368,8 +465,19 @@ def table(out: dict) -> str:
                  f"{os_:>9} {ox:>8} {r['dispatch at 0 tokens']:>7.1f} {r['floor + per-CTA signal']:>8.1f} "
                  f"{c['exact']}"
                  + ("" if not c.get("ceiling_timeouts") else f" CEILING TIMEOUTS {c['ceiling_timeouts']}"))
-    L.append("  per-kernel breakdown (us; per part the median over 12 steps of the longest rank; events on the rank "
-             "streams)")
+    L.append("  graphs and the per-rank streams (us, median of turns; graph = the contender captured once and "
+             "replayed; per-rank = every rank's kernels on its own stream, the step before the all-ranks launches)")
+    L.append(f"  {'tokens':>6} {'payload':>7} {'disp gr':>9} {'floor gr':>9} {'ceil gr':>9} {'/fl gr':>7} "
+             f"{'/ceil gr':>8} {'per-rank':>9} {'p-r gr':>9} {'p-r/ceil':>8} {'no PDL':>8} {'noPDL/c':>8} launches")
+    for c in sec["cases"]:
+        r = c["results"]
+        L.append(f"  {c['tokens']:>6} {c['payload']:>7} {r['dispatch graph']:>9.1f} {r['floor graph']:>9.1f} "
+                 f"{r['ceiling graph']:>9.1f} {c['graph_over_floor']:>7.3f} {c['graph_over_ceiling']:>8.3f} "
+                 f"{r['per-rank streams']:>9.1f} {r['per-rank streams graph']:>9.1f} "
+                 f"{c['per_rank_over_ceiling']:>8.3f} {r['dispatch, no PDL']:>8.1f} {c['no_pdl_over_ceiling']:>8.3f} "
+                 f"{'+'.join(c['launches'])}" + ("" if c["pdl"] else f" (PDL off: {c['pdl_error']})"))
+    L.append("  per-kernel breakdown (us; per part the median over 12 steps; all-ranks: events between the launches "
+             "on one stream; per-rank streams: the longest rank, events on the rank streams)")
     L.append(f"  {'tokens':>6} {'payload':>7} {'variant':<24} " + " ".join(f"{n:>7}" for n in PARTS))
     for c in sec["cases"]:
         for name, b in c["breakdown_us"].items():

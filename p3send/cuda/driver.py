@@ -587,6 +587,29 @@ def launch(func, grid, block, smem: int, stream, param_addrs: np.ndarray, name: 
         raise
 
 
+def launch_programmatic(func, grid, block, smem: int, stream, param_addrs: np.ndarray, name: str = "kernel") -> None:
+    """``launch`` with programmatic stream serialisation (PDL, cuLaunchKernelEx with
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): the kernel's CTAs may start before
+    the stream's previous kernel has finished; the kernel must ``griddepcontrol.wait`` before it
+    reads what that kernel wrote."""
+    cu = _cu()
+    stream = as_stream(stream)
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (tuple(int(g) for g in grid) + (1, 1))[:3]
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (tuple(int(b) for b in block) + (1, 1))[:3]
+    cfg.sharedMemBytes, cfg.hStream = int(smem), stream.handle
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    try:
+        call("cuLaunchKernelEx", cfg, func, param_addrs, 0)
+    except CudaError as e:
+        e.args = (f"{e.args[0]} [launching {name} (PDL) grid={grid} block={block} smem={smem}]",)
+        raise
+
+
 class Graph:
     """A captured sequence of launches on one or more streams, replayed with ``launch``.
 

@@ -15,8 +15,9 @@ and the capacity, never from this step's counts, so a captured graph replays wit
 routing. Counters are device-side epochs: nothing is reset between steps or replays.
 
 ``Dispatch`` runs every rank on one GPU in this process (the counterpart of
-``Combine``); ``RankDispatch`` is one rank's buffers and launchers, which ``Dispatch``
-and a one-process-per-rank runner share.
+``Combine``), each kernel as one launch for all ranks (``dispatch_all``); ``RankDispatch``
+is one rank's buffers and launchers, which ``Dispatch`` (its ``per_rank`` step) and a
+one-process-per-rank runner share.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from ..abi.layout import SENTINEL
 from ..cuda import driver
 from ..cuda.loader import kernel
 from .args import aligned, array_arg, describe
+from .dispatch_all import FUSED, FUSED_NO_WAIT, SPLIT, AllRanks, allow_smem, kernel_all
 
 FLAG_INT64 = 1        # p3_dispatch_count: topk_idx is int64
 FLAG_SCOPE_GPU = 2    # every rank on this GPU: .gpu-scope fences, count stores and flags
@@ -40,6 +42,7 @@ FLAG_PUSH_ONLY = 4    # p3_dispatch_count, split in two launches: count and push
 FLAG_LAYOUT_ONLY = 8  # ... then the wait and the layout
 FLAG_TALLIED = 16     # p3_dispatch_count: p3_dispatch_tally made the token pass (one CTA per chunk)
 FLAG_ZERO_PAD = 1     # p3_dispatch_wait: zero the padding rows
+# FLAG_NO_SIGNAL (4, p3_dispatch_send: no per-CTA count, no flag): dispatch_all sets it in its quiet send rows
 
 #: Threads of each kernel's CTA. The count kernel's block is its chunk of tokens: 1024 where
 #: its shared memory fits (E <= 640 or so), else 512. The tally kernel's block (its chunk):
@@ -516,8 +519,8 @@ class RankDispatch:
         self.k_send = kernel("p3_dispatch_send", device)
         self.k_wait = kernel("p3_dispatch_wait", device)
         self.k_tally = kernel("p3_dispatch_tally", device)
-        driver.set_max_dynamic_smem(self.k_count.func, max(self.count_smem, 1))
-        driver.set_max_dynamic_smem(self.k_tally.func, max(self._tally_smem(self.count_threads), 1))
+        allow_smem(self.k_count.func, self.count_smem)      # (never lowered: the kernel is shared)
+        allow_smem(self.k_tally.func, self._tally_smem(self.count_threads))
         self.recv_x_alloc = alloc(cap * sh.x_bytes + 2 * guard, SENTINEL, "recv_x")
         self.recv_scales_alloc = alloc(cap * sh.s_bytes + 2 * guard, SENTINEL, "recv_scales") if sh.s_bytes else None
         self.src_info_alloc = alloc(8 * cap + 2 * guard, 0xFF, "src_info")
@@ -551,6 +554,8 @@ class RankDispatch:
         self.wait_grid = self._wait_grid()
         self.p3_control = 0
         self.cfg = None
+        #: Bumped whenever a parameter block changes (an all-ranks launch then rebuilds its rows).
+        self.version = 0
 
     # ------------------------------------------------------------ addresses
     def ptr(self, name: str) -> int:
@@ -715,12 +720,14 @@ class RankDispatch:
                         flags=(FLAG_ZERO_PAD if sh.zero_padding else 0) | scope, p3_control=self.p3_control)
         nvt = (sh.x_bytes + sh.s_bytes) // 16
         self.send_grid = max(1, -(-self.tokens * nvt // SEND_THREADS))
+        self.version += 1
 
     def set_control(self, p3_control: int) -> None:
         """< 0: every kernel of this rank's dispatch returns at once (on every rank alike)."""
         self.p3_control = int(p3_control)
         for b in (self.b_count, self.b_push, self.b_layout, self.b_send, self.b_wait, self.b_tally):
             b.set(p3_control=self.p3_control)
+        self.version += 1
 
     # ------------------------------------------------------------ launches
     def launch_count(self, stream, split: int = 0, tally: bool = True) -> None:
@@ -832,14 +839,20 @@ class Dispatch:
 
     Per rank (``ranks[r]``, a ``RankDispatch``): inputs x / scales / topk_idx, outputs
     recv_x, recv_scales, src_info, expert_offsets, range_table, expert_counts and topk_out
-    (shapes in ``RankDispatch``). A step = every rank's count, send and wait on its own
-    stream, forked from and joined into ``stream`` (``enqueue``); ``check`` afterwards
-    raises what the device found. ``stacked``: every rank's receive arrays and routing
-    outputs are slices of one allocation per array (``slabs``), so they read as (R, ...)
-    tensors (``stacked_views``); no guards then. ``fused``: each rank's count kernel waits for every
-    other's inside one launch (they run at once); False: every launch that waits for
-    another rank is ordered after it by events (the count split in two launches, each
-    wait after every send), for schedulers that serialise kernels (compute-sanitizer).
+    (shapes in ``RankDispatch``). A step (``enqueue``) = one launch per kernel for every
+    rank on the step's stream (``dispatch_all.AllRanks``: rank = the grid's y, the ranks'
+    parameter blocks in the launch's own parameters): the tally when used, the count, the
+    send, and the wait only where it zeroes padding rows (``all_parts``); the second and
+    later launches with PDL. ``check`` afterwards raises what the device found. ``per_rank``:
+    instead every rank's kernels on its own stream, forked from and joined into the step's
+    stream (the step of a one-process-per-rank runner, as each rank launches it; an
+    attribute: it may be switched between steps).
+    ``stacked``: every rank's receive arrays and routing outputs are slices of one
+    allocation per array (``slabs``), so they read as (R, ...) tensors (``stacked_views``);
+    no guards then. ``fused``: the ranks' count kernels wait for each other inside one
+    launch (their CTAs are all resident: checked); False: no launch waits for a CTA of
+    itself (the count split in two launches, push then layout, every wait on an earlier
+    launch), for schedulers that serialise kernels (compute-sanitizer).
 
     Args:
         n_ranks: ranks of the dispatch, all on this GPU.
@@ -856,7 +869,7 @@ class Dispatch:
             them untouched); not with ``stacked``.
         inputs: allocate upload buffers for ``set_inputs``; False: the inputs are the
             caller's device arrays (``bind``).
-        fused, stacked: as above.
+        fused, stacked, per_rank: as above.
 
     Raises:
         ConfigError: every bad argument, named, before anything is allocated.
@@ -865,12 +878,14 @@ class Dispatch:
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,
                  payload: str = "bf16", capacity: int | None = None, align: int = 1, expert_stride: int = 0,
                  zero_padding: bool | None = None, device: driver.Device | None = None, timeout_ms: float = 2000.0,
-                 guard: bool = False, inputs: bool = True, fused: bool = True, stacked: bool = False):
+                 guard: bool = False, inputs: bool = True, fused: bool = True, stacked: bool = False,
+                 per_rank: bool = False):
         self.shape, self.timeout_ns = _arguments(
             "Dispatch", n_ranks, max_tokens=max_tokens, top_k=top_k, hidden=hidden, n_local_experts=n_local_experts,
             payload=payload, capacity=capacity, align=align, expert_stride=expert_stride, zero_padding=zero_padding,
             timeout_ms=timeout_ms, more=["guard: stacked outputs have no guards"] if stacked and guard else ())
-        self.fused = fused
+        self.fused, self.per_rank = bool(fused), bool(per_rank)
+        self.all, self._versions = None, None
         self._bufs, self.slabs, self.ranks = [], {}, []
         self.streams, self.origin, self.fork, self.done, self.pushed, self.sent = [], None, None, [], [], []
         try:
@@ -906,6 +921,9 @@ class Dispatch:
         for events in (self.done, self.pushed, self.sent):
             for _ in range(n_ranks):
                 events.append(driver.Event(timing=False))
+        self.all = AllRanks(self, load=kernel_all)         # (looked up here: the CPU tests replace it)
+        if self.fused and not self.per_rank:
+            self.all.check_resident()
 
     @property
     def n_ranks(self) -> int:
@@ -964,7 +982,8 @@ class Dispatch:
             stream: the stream the step forks from and joins into (anything
                 ``driver.as_stream`` takes; default ``origin``).
             rank_streams: one stream per rank, in rank order (e.g. a Combine's ``streams``;
-                default the Dispatch's own ``streams``).
+                default the Dispatch's own ``streams``): where ``per_rank`` launches each
+                rank's kernels; the all-ranks step (the default) launches on ``stream`` only.
 
         Raises:
             ConfigTypeError: a stream ``driver.as_stream`` does not take.
@@ -975,6 +994,15 @@ class Dispatch:
         if len(streams) != len(self.ranks):
             raise ConfigError([f"rank_streams: expected {len(self.ranks)} streams (one per rank), got {len(streams)}"],
                               "dispatch step")
+        if not self.per_rank:                # every rank in one launch per kernel, on the step's stream
+            if self.fused:
+                self.all.check_resident()
+            versions = tuple(rd.version for rd in self.ranks)
+            if versions != self._versions:   # a rank's parameters changed: rebuild the rows (host only)
+                self.all.refresh()
+                self._versions = versions
+            self.all.launch(origin, self.all_parts())
+            return
         self.fork.record(origin)
         for s in streams:
             s.wait(self.fork)
@@ -1002,9 +1030,20 @@ class Dispatch:
         for ev, s in zip(self.done, streams):
             origin.wait(ev.record(s))
 
+    def all_parts(self) -> tuple:
+        """The launches of the all-ranks step: the split one, or the fused one, whose wait
+        launch is left out unless it zeroes padding rows, its send then without the signal
+        (FLAG_NO_SIGNAL): every rank's send has finished, with its rows stored, before a
+        launch after it on the same stream starts (stream order is the acquire), and a source
+        that sent nothing is the one whose counts timed out or whose launch was rejected,
+        which the records name already."""
+        if not self.fused:
+            return SPLIT
+        return FUSED if self.shape.zero_padding else FUSED_NO_WAIT
+
     def capture(self) -> driver.Graph:
         """A CUDA graph of one step; replay with ``graph.launch(dispatch.origin)``."""
-        with driver.Graph.capture(self.origin, self.streams) as cap:
+        with driver.Graph.capture(self.origin, self.streams if self.per_rank else ()) as cap:
             self.enqueue()
         return cap.graph
 
@@ -1072,6 +1111,9 @@ class Dispatch:
         owned = [s for s in self.streams + [self.origin] if s is not None]
         events = [ev for ev in self.done + self.pushed + self.sent + [self.fork] if ev is not None]
         steps = [s.close for s in owned] + [ev.close for ev in events] + [b.free for b in self._bufs]
+        if self.all is not None:
+            steps.insert(0, self.all.close)
+            self.all = None
         self._bufs = []
         release(steps, during)
 

@@ -50,6 +50,7 @@ def no_cuda(monkeypatch):
                  "ipc_open_handle", "ipc_close", "pci_bus_id"):
         monkeypatch.setattr(driver, name, touched)
     monkeypatch.setattr(dmod, "kernel", touched)
+    monkeypatch.setattr(dmod, "kernel_all", touched)
 
 
 SHAPE_CASES = [
@@ -318,6 +319,8 @@ def fake(monkeypatch):
             led.events.append(self)
 
     class Block:
+        kernel = types.SimpleNamespace(params=[])      # no parameters: an all-ranks row is all zero
+
         def set(self, **values):
             pass
 
@@ -343,7 +346,11 @@ def fake(monkeypatch):
         led.mapped.add(ptr)
         return ptr
 
-    dev = types.SimpleNamespace(ordinal=0, smem_optin=232448, name="stand-in GPU", activate=lambda: None)
+    def kernel_all(entry, device=None, mode="param"):
+        return kernel(entry + "_all", device), 512, 504
+
+    dev = types.SimpleNamespace(ordinal=0, smem_optin=232448, sm_count=132, name="stand-in GPU",
+                                activate=lambda: None)
     monkeypatch.setattr(driver, "DeviceBuffer", Buffer)
     monkeypatch.setattr(driver, "Stream", Stream)
     monkeypatch.setattr(driver, "Event", Event)
@@ -354,6 +361,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(driver, "ipc_close", lambda ptr: led.mapped.remove(ptr))
     monkeypatch.setattr(driver, "pci_bus_id", lambda ordinal: "0000:01:00.0")
     monkeypatch.setattr(dmod, "kernel", kernel)
+    monkeypatch.setattr(dmod, "kernel_all", kernel_all)
+    monkeypatch.setattr(driver, "occupancy", lambda func, block, smem=0: 1)
     led.dev = dev
     return led
 
@@ -820,3 +829,33 @@ def test_moe_layer_refuses_arguments_of_the_wrong_type_by_name(torch_mods, fake)
     with pytest.raises(ConfigError) as ei:
         moe.MoELayer("2", hidden=256, inter=64, n_experts=4, top_k=2, tokens=4)
     assert ei.value.problems[0].startswith("n_ranks:") and fake.allocs == 0
+
+
+@pytest.mark.parametrize("fused, align, want", [
+    (True, 1, ("tally", "count", "send_quiet")),               # no padding to zero: no wait, no signal
+    (True, 128, ("tally", "count", "send", "wait")),           # the wait zeroes the padding rows
+    (False, 1, ("tally", "push", "layout", "send", "wait")),   # split: every wait on an earlier launch
+    (False, 128, ("tally", "push", "layout", "send", "wait"))])
+def test_the_all_ranks_step_launches(fake, fused, align, want):
+    d = make_dispatch(fused=fused, align=align)
+    try:
+        assert d.all_parts() == want and not d.per_rank
+        assert d.all.pdl                                       # PDL asked for; the driver may refuse it later
+    finally:
+        d.close()
+
+
+def test_a_changed_rank_block_rebuilds_the_launch_rows_at_the_next_step(fake, monkeypatch):
+    monkeypatch.setattr(driver, "pointer_ordinal", lambda addr: 0)
+    d = make_dispatch()
+    calls = []
+    monkeypatch.setattr(d.all, "refresh", lambda: calls.append(1))
+    monkeypatch.setattr(d.all, "launch", lambda stream, parts: calls.append(parts))
+    try:
+        d.enqueue()
+        d.enqueue()                                            # nothing changed: no rebuild
+        d.ranks[1].set_control(-1)
+        d.enqueue()
+        assert calls == [1, d.all_parts(), d.all_parts(), 1, d.all_parts()]
+    finally:
+        d.close()

@@ -1,8 +1,9 @@
 """Small runs of every kernel, for compute-sanitizer (memcheck, racecheck): the sends
 (both persistent paths and the tile path), the combine round with a graph and a timeout,
 the epilogue send and a linked consumer, the grouped GEMM at a reduced shape, and the
-dispatch's three kernels (``python -m tests.gpu.sanitize dispatch``: those alone). Exits
-non-zero if any result is wrong; the sanitizer's own --error-exitcode reports memory errors.
+dispatch's kernels (``python -m tests.gpu.sanitize dispatch``: those alone; ``dispatch-quick``:
+a reduced set of them). Exits non-zero if any result is wrong; the sanitizer's own
+--error-exitcode reports memory errors.
 
     compute-sanitizer --tool memcheck --error-exitcode 99 python -m tests.gpu.sanitize
 """
@@ -29,8 +30,9 @@ def main() -> int:
     from p3send.cuda import driver
     from tests.gpu.test_dispatch import sanitize_cases as dispatch_cases
     dev = driver.device()
-    dispatch_cases(dev)            # the dispatch kernels (alone: python -m tests.gpu.sanitize dispatch)
-    if sys.argv[1:] == ["dispatch"]:
+    quick = sys.argv[1:] == ["dispatch-quick"]     # a reduced set of the dispatch's cases, alone
+    dispatch_cases(dev, quick)     # the dispatch kernels (alone: python -m tests.gpu.sanitize dispatch)
+    if sys.argv[1:] in (["dispatch"], ["dispatch-quick"]):
         print("sanitize cases (dispatch): all results correct")
         return 0
     seen, _ = loader.abi_echo(P3PeerSendConfig.disabled(), device=dev)
