@@ -74,7 +74,7 @@ def run_case(dev, name, tokens, payload, rounds, rng, checked, threads=(1024,)):
     steps = {"shipped": lambda st: d.enqueue(stream=st),
              "no PDL": lambda st: launch_parts(d, d.all_parts(), False, st),
              "with wait": lambda st: launch_parts(d, FUSED, True, st),
-             "with wait, no PDL (batch 1's)": lambda st: launch_parts(d, FUSED, False, st),
+             "with wait, no PDL (06:03 step)": lambda st: launch_parts(d, FUSED, False, st),
              "no wait, no PDL": lambda st: launch_parts(d, no_wait, False, st),
              "no wait, the send's signal kept": lambda st: launch_parts(d, no_wait, True, st)}
     for t in threads[1:]:

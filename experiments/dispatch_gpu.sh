@@ -1,9 +1,9 @@
 #!/bin/bash
-# disp, batch 4 (issue 29), the final code: the GPU tests of the dispatch, memcheck of a reduced
-# set, the bench section `dispatch` (both shapes), the variants' A/B (experiments/dispatch_ab2.py:
-# PDL, the wait launch, the quiet send, fbb32ce's count kernel, the count kernel's phases). The torch
-# dispatch tests passed in batch 3 (06:32) and are left out here (device time).
-#   bash experiments/dispatch_b4.sh LOGFILE        (from the repository root, on the GPU machine)
+# The dispatch's checks and figures in one short GPU run (issue 29): the GPU tests of the dispatch,
+# memcheck of a reduced set, the bench section `dispatch` (both shapes), the variants' A/B
+# (experiments/dispatch_ab2.py: PDL, the wait launch, the quiet send, fbb32ce's count kernel, the
+# count kernel's phases). The torch dispatch tests (tests/gpu/test_torch_dispatch.py) are left out.
+#   bash experiments/dispatch_gpu.sh LOGFILE        (from the repository root, on a machine with a GPU)
 exec > "$1" 2>&1
 export PYTHONPATH=$PWD:${PYTHONPATH}
 PY=${PYTHON:-python3}
