@@ -188,7 +188,8 @@ typedef struct P3SendAcct {
     int32_t  expert;                       /*   0  local expert held, -1: none */
     uint32_t ready;                        /*   4  0, or mbarrier | P3_READY | parity */
     uint64_t units;                        /*   8  16-byte vectors handled for expert */
-    uint32_t pair[P3_MAX_RANKS];           /*  16  rows stored to p2p rank p */
+    uint32_t pair[P3_MAX_RANKS];           /*  16  rows stored to p2p rank p (to rank p
+                                                   under P3_FLAG_NVSHMEM: no folding) */
 } P3SendAcct;
 
 #define P3_ASSERT_MEMBER(type, field, off, size) \

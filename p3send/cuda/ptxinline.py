@@ -74,7 +74,8 @@ def _renamed_body(body: str, params: list[str], args: dict[str, str], tag: str) 
             continue
         if re.fullmatch(r"(@!?%[\w$]+\s+)?ret(\.uni)?\s*;", s):
             guard = re.match(r"(@!?%[\w$]+)\s+", s)
-            out.append(f"    {_REG.sub(reg, guard.group(1)) + ' ' if guard else ''}bra.uni {end};")
+            # a guarded ret may diverge: bra.uni only where every lane takes it
+            out.append(f"    {_REG.sub(reg, guard.group(1)) + ' bra' if guard else 'bra.uni'} {end};")
             continue
         line = _REG.sub(reg, line)
         for lab in labels:
@@ -128,7 +129,6 @@ def inline_calls(text: str, name: str) -> tuple[str, int]:
             raise ConfigError([f"a call of {name} passes undeclared parameters {missing}"], "PTX inline")
         return "{\n" + "\n".join(lines) + "\n" + _renamed_body(body, params, args, tag) + "\n}"
 
-    d0, _, _, _ = _definition(code, name)
     # the functions the body calls, declared before any site (the inlined body lands in entries
     # that come before their definitions in the module)
     protos = []
@@ -147,7 +147,7 @@ def inline_calls(text: str, name: str) -> tuple[str, int]:
     head, tail = code[:d0], code[d0:]
     # call sites before the definition (the entry, then the appended functions) and after it
     head = call.sub(site, head)
-    s, e, _, _ = _definition(tail, name)
+    _, e, _, _ = _definition(tail, name)
     tail = tail[:e] + call.sub(site, tail[e:])
     # the text's leading comment block (an entry's header: the loader checks parameters against it)
     lines = text.split("\n")

@@ -34,7 +34,7 @@ from ..abi.layout import SENTINEL
 from ..cuda import driver
 from ..cuda.loader import kernel
 from .args import aligned, array_arg, describe
-from .dispatch_all import FUSED, FUSED_NO_WAIT, SPLIT, AllRanks, allow_smem, kernel_all
+from .dispatch_all import FUSED, FUSED_NO_WAIT, ROW_THREADS, SPLIT, AllRanks, allow_smem, kernel_all
 
 FLAG_INT64 = 1        # p3_dispatch_count: topk_idx is int64
 FLAG_SCOPE_GPU = 2    # every rank on this GPU: .gpu-scope fences, count stores and flags
@@ -49,7 +49,8 @@ FLAG_ZERO_PAD = 1     # p3_dispatch_wait: zero the padding rows
 #: TALLY_THREADS (or the count kernel's block if smaller) unless ``set_tally`` says otherwise
 #: (a power of two, 32 .. the count kernel's block): its chunks spread over more SMs than
 #: 1024-token ones, for a few more chunks for the count kernel to sum.
-COUNT_THREADS, SEND_THREADS, WAIT_THREADS, TALLY_THREADS = 1024, 256, 256, 256
+COUNT_THREADS, TALLY_THREADS = 1024, 256
+SEND_THREADS = WAIT_THREADS = ROW_THREADS      # one value for both steps (dispatch_all)
 #: u64 words of the dispatch record (docs/KERNELS.md, p3_dispatch_count).
 RECORD_WORDS = 16
 #: Record words that hold a minimum (atom.min from all-ones).
@@ -872,7 +873,10 @@ class Dispatch:
         fused, stacked, per_rank: as above.
 
     Raises:
-        ConfigError: every bad argument, named, before anything is allocated.
+        ConfigError: every bad argument, named, before anything is allocated; with ``fused``
+            (and not ``per_rank``), ranks whose count CTAs cannot all be resident at once
+            (``AllRanks.check_resident``: it needs the loaded kernel), after the allocations,
+            which are released before it is raised.
     """
 
     def __init__(self, n_ranks: int, *, max_tokens: int, top_k: int, hidden: int, n_local_experts: int,

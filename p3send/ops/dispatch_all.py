@@ -51,6 +51,9 @@ def all_ranks_ptx(text: str, entry: str, mode: str = "param") -> tuple[str, int,
     gofs = -(-(decls[-1].offset + decls[-1].size) // 8) * 8       # the rank's own grid.x: a u32 after its block
     stride = -(-(gofs + 4) // 8) * 8 if mode == "param" else -(-(gofs + 4) // 16) * 16
     body = text[text.index(".version"):]                  # the header block documents the per-rank entry
+    if re.search(r"%ctaid\.[yz]\b", re.sub(r"//[^\n]*", "", body)):   # the rule gives %ctaid.y to the rank
+        raise ConfigError([f"{entry}: reads %ctaid.y or %ctaid.z, which the all-ranks launch uses for the rank"],
+                          "all-ranks PTX")
     m = re.search(rf"\.visible\s+\.entry\s+{entry}\s*\((.*?)\)", body, re.S)
     if m is None:
         raise ConfigError([f"{entry}: no such .entry"], "all-ranks PTX")
@@ -111,6 +114,10 @@ BLOCKS = {"tally": ("p3_dispatch_tally", "b_tally"), "count": ("p3_dispatch_coun
           "send_quiet": ("p3_dispatch_send", "b_send")}
 #: p3_dispatch_send's flag bit: no per-CTA signal, no arrival flag (``send_quiet``'s rows).
 FLAG_NO_SIGNAL = 4
+#: threads of a send or wait CTA: the per-rank step's launches (p3send.ops.dispatch takes its
+#: SEND_THREADS and WAIT_THREADS from here) and the grids both steps compute from them
+ROW_THREADS = 256
+
 #: A step's launches: fused (the count kernels wait for each other inside one launch), fused
 #: without the wait (its send without the signal nobody waits for: the launch boundary is the
 #: arrival) and split (no launch waits for another CTA of itself: every wait is on an earlier
@@ -163,7 +170,7 @@ class AllRanks:
     does it when a rank's parameters changed): mode "param" rebuilds the launches'
     parameter blocks on the host (no device operation, nothing synchronised); "table"
     (a measurement) uploads a device table. ``launch(stream, parts)`` enqueues a step's
-    launches (``FUSED`` or ``SPLIT``) with no host wait.
+    launches (``FUSED``, ``FUSED_NO_WAIT`` or ``SPLIT``) with no host wait.
 
     Raises:
         ConfigError: what one launch cannot do: blocks that differ between ranks; for the
@@ -244,7 +251,7 @@ class AllRanks:
             elif part in ("count", "push", "layout"):
                 shape = ((1, R), (rd.count_threads,), rd.count_smem)
             else:
-                shape = ((g[part], R), (256,), 0)
+                shape = ((g[part], R), (ROW_THREADS,), 0)
             if first or not self.pdl:
                 self.blk[part].launch(shape[0], shape[1], stream, shape[2])
             else:

@@ -349,8 +349,9 @@ class NvshmemTransport:
             reach, whose bf16 puts otherwise read the shared tile itself (``tile_src_mask``).
         inline: inline p3_send_rows in the linked text (``nvshmem_link.shipped_module``; default:
             where ``nvshmem_link.INLINED`` says).
-        recv_bytes, counts_bytes: the bytes behind ``recv`` / ``counts`` (checked against each
-            cfg when given; a SymmetricBuffer gives its own).
+        recv_bytes, counts_bytes: the bytes behind ``recv`` / ``counts``, checked against each
+            cfg (the device does not bound the puts' writes at the other PEs): required with an
+            address; a SymmetricBuffer gives its own, which they may narrow but not exceed.
 
     Raises:
         ConfigError: a bad argument; NvshmemError: the staging does not fit the heap.
@@ -379,12 +380,24 @@ class NvshmemTransport:
 
     @staticmethod
     def _sym(what, v, nbytes):
+        # recv_bytes / counts_bytes bound what the put path may write at every PE (problems()
+        # refuses a cfg whose slots or counts need more): a size larger than the buffer itself,
+        # or not a size, would let that check pass a send that writes past the buffer.
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer))
+                                   or nbytes < 1):
+            raise ConfigError(f"{what}_bytes: expected None or an integer >= 1, got {nbytes!r}", "NVSHMEM transport")
         if isinstance(v, SymmetricBuffer):
+            if nbytes is not None and nbytes > v.nbytes:
+                raise ConfigError(f"{what}_bytes: expected at most the SymmetricBuffer's {v.nbytes} bytes, "
+                                  f"got {nbytes}", "NVSHMEM transport")
             return v.ptr, v.nbytes if nbytes is None else int(nbytes)
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 or v % 16:
             raise ConfigError(f"{what}: expected a SymmetricBuffer or a 16-byte aligned symmetric address, got {v!r}",
                               "NVSHMEM transport")
-        return int(v), nbytes
+        if nbytes is None:      # nothing on the device bounds the puts' writes at the other PEs
+            raise ConfigError(f"{what}_bytes: expected the bytes behind the address {v:#x} (required with an "
+                              f"address; a SymmetricBuffer gives its own), got None", "NVSHMEM transport")
+        return int(v), int(nbytes)
 
     def block(self) -> bytes:
         """The 40 bytes p3_send_rows reads at state_ptr + 40*n_experts."""

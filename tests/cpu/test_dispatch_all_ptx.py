@@ -76,6 +76,15 @@ def test_a_kernel_outside_the_rule_is_refused():
     assert odd != text
     with pytest.raises(ConfigError, match="unknown parameter n_lokal"):
         da.all_ranks_ptx(odd, "p3_dispatch_wait")
+    # the rank is %ctaid.y: a kernel that reads it (or .z) itself is outside the rule
+    odd = text.replace("mov.u32             %G, %nctaid.x;", "mov.u32             %G, %nctaid.x;\n"
+                       "    mov.u32             %G, %ctaid.y;")
+    assert odd != text
+    with pytest.raises(ConfigError, match=r"reads %ctaid.y or %ctaid.z"):
+        da.all_ranks_ptx(odd, "p3_dispatch_wait")
+    noted = text.replace(".address_size 64", ".address_size 64\n// %ctaid.y named in a comment only", 1)
+    assert noted != text
+    da.all_ranks_ptx(noted, "p3_dispatch_wait")
 
 
 def fake_dispatch(grids):
@@ -115,6 +124,10 @@ def test_the_rows_hold_each_ranks_block_and_its_own_grid():
             if b == "send_quiet":            # the send's block with FLAG_NO_SIGNAL added to its flags
                 assert int.from_bytes(row[fo:fo + 4], "little") == int.from_bytes(want[fo:fo + 4], "little") | 4
                 row[fo:fo + 4] = want[fo:fo + 4]
+            # every parameter at the offset the PTX header gives it (not through block_bytes)
+            for prm in ptxdoc.parse_header(shipped(e))[e].params:
+                assert bytes(row[prm.offset:prm.offset + prm.size]) == bytes(getattr(rd, attr).get(prm.name)), \
+                    f"{b}: rank {r}: {prm.name} at {prm.offset}"
             assert row[:go] == want[:go]
             own = {"tally": 3 if r % 2 == 0 else 0, "send": rd.send_grid, "send_quiet": rd.send_grid,
                    "wait": 2}.get(b, 1)

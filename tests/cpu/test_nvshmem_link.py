@@ -410,7 +410,8 @@ def test_the_inliner_renames_the_body_per_site_and_its_text_assembles(tmp_path):
     assert "mov.b64 %I0_f_arg_p_out, %a;" in out and "mov.b32 %I0_f_arg_p_x, %x;" in out
     assert "mov.b64 %I0_f_a, %I0_f_arg_p_out;" in out and "mov.b32 %I0_f_x, %I0_f_arg_p_x;" in out
     assert "@%I0_f_p bra             I0_f_SKIP;" in out and "I0_f_SKIP:" in out and "%I0_f_laneid" not in out
-    assert out.count("bra.uni I0_f_END;") == 2 and "@%I0_f_p bra.uni I0_f_END;" in out
+    # an unguarded ret becomes bra.uni, a guarded one (it may diverge) a plain bra
+    assert out.count("bra.uni I0_f_END;") == 1 and "@%I0_f_p bra I0_f_END;" in out
     # the site's own instruction stays between the argument stores, in order
     assert out.index("mov.b32 %I0_f_arg_p_x, %x;") < out.index("mov.u32         %x, 7;")
     if shutil.which("ptxas"):

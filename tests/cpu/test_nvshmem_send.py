@@ -139,11 +139,29 @@ def test_the_epilogue_send_links_its_module_and_flags_its_ctx(gpu, wire, monkeyp
     (dict(counts=COUNTS_SYM + 8), r"counts: expected a SymmetricBuffer or a 16-byte aligned symmetric address"),
     (dict(staging_rows=0), r"staging_rows: expected an integer >= 1, got 0"),
     (dict(msg_bytes=True), r"msg_bytes: expected an integer >= 1, got True"),
+    (dict(recv_bytes=0), r"recv_bytes: expected None or an integer >= 1, got 0"),
+    (dict(counts_bytes="64"), r"counts_bytes: expected None or an integer >= 1, got '64'"),
+    (dict(recv_bytes=None), r"recv_bytes: expected the bytes behind the address 0x7a0000001000 \(required with an "
+                            r"address"),
+    (dict(counts_bytes=None), r"counts_bytes: expected the bytes behind the address"),
 ])
 def test_bad_transport_arguments_are_refused_by_name(gpu, kw, match):
-    args = dict(recv=RECV_SYM, counts=COUNTS_SYM, msg_bytes=1024, staging_rows=ROWS) | kw
+    args = dict(recv=RECV_SYM, counts=COUNTS_SYM, msg_bytes=1024, staging_rows=ROWS, recv_bytes=4096,
+                counts_bytes=64) | kw
     with pytest.raises(ConfigError, match=match):
         nvshmem.NvshmemTransport(FakeWorld(), **args)
+
+
+def test_a_size_beyond_the_symmetric_buffer_is_refused(gpu):
+    """recv_bytes bounds what problems() lets a cfg's slots need: it may narrow a
+    SymmetricBuffer's own size, never widen it."""
+    buf = nvshmem.SymmetricBuffer.__new__(nvshmem.SymmetricBuffer)
+    buf.ptr, buf.nbytes = RECV_SYM, 4096
+    args = dict(counts=COUNTS_SYM, counts_bytes=64, msg_bytes=1024, staging_rows=ROWS)
+    with pytest.raises(ConfigError, match=r"recv_bytes: expected at most the SymmetricBuffer's 4096 bytes, got 4097"):
+        nvshmem.NvshmemTransport(FakeWorld(), recv=buf, recv_bytes=4097, **args)
+    assert nvshmem.NvshmemTransport(FakeWorld(), recv=buf, recv_bytes=2048, **args).recv_bytes == 2048
+    assert nvshmem.NvshmemTransport(FakeWorld(), recv=buf, **args).recv_bytes == 4096
 
 
 def test_the_block_is_the_documented_layout():
