@@ -124,10 +124,11 @@ def assert_record(d: Dispatch, case) -> None:
 
 
 def run_case(dev, case, *, steps: int = 2, fused: bool = True, tally: tuple | None = None,
-             per_rank: bool = False) -> None:
+             per_rank: bool = False, alternate: bool = False) -> None:
     """``steps`` consecutive steps of ``case``'s shape on the same buffers, each exact;
     ``tally``: ``Dispatch.set_tally``'s (on, threads) first; ``per_rank``: every rank's
-    kernels on its own stream instead of one launch per kernel for all ranks."""
+    kernels on its own stream instead of one launch per kernel for all ranks; ``alternate``:
+    the all-ranks and the per-rank step in turns (odd steps per rank)."""
     d = make(dev, case, fused=fused, per_rank=per_rank)
     if tally is not None:
         d.set_tally(*tally)
@@ -136,10 +137,13 @@ def run_case(dev, case, *, steps: int = 2, fused: bool = True, tally: tuple | No
         for i in range(steps):
             c = case if i == 0 else cases.dispatch_redraw(case, case.seed + 1000 * i)
             load(d, c)
+            if alternate:
+                d.per_rank = bool(i % 2)
             d.enqueue()
             d.origin.synchronize()
             got = snapshot(d)
-            assert_step(c, got, expect(c, before, d.ranks[0].guard), f" step {i}")
+            assert_step(c, got, expect(c, before, d.ranks[0].guard),
+                        f" step {i}" + (f" per_rank={d.per_rank}" if alternate else ""))
             assert_record(d, c)
             before = got
     finally:
@@ -169,23 +173,7 @@ def test_the_two_steps_alternate_on_one_set_of_buffers(dev, family):
     """All-ranks and per-rank steps in turns on the same buffers (epochs, exchange, flags and
     counters are the device's either way), new routing every step; uneven token counts give
     the ranks different grids inside one launch (a rank's CTAs past its own grid exit)."""
-    seed = fresh_seed(f"alternate/{family}")
-    case = cases.dispatch_case(family, seed)
-    d = make(dev, case)
-    try:
-        before = snapshot(d)
-        for i in range(4):
-            c = case if i == 0 else cases.dispatch_redraw(case, seed + 5 * i)
-            load(d, c)
-            d.per_rank = bool(i % 2)
-            d.enqueue()
-            d.origin.synchronize()
-            got = snapshot(d)
-            assert_step(c, got, expect(c, before, d.ranks[0].guard), f" step {i} per_rank={d.per_rank}")
-            assert_record(d, c)
-            before = got
-    finally:
-        d.close()
+    run_case(dev, cases.dispatch_case(family, fresh_seed(f"alternate/{family}")), steps=4, alternate=True)
 
 
 def test_the_all_ranks_step_launches_on_one_stream(dev):
