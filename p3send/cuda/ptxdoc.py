@@ -239,9 +239,16 @@ def module_text(text: str, siblings, *, nvshmem: bool = False) -> str:
 #: NVSHMEM: the NVSHMEM transport's put path (p3_send_rows.ptx, p3_scatter_send_fp8.ptx; every
 #: module loaded without the transport has the ``//DIRECT`` lines instead: no .extern calls).
 REGIONS = {"FP8": "//BF16 ", "NVSHMEM": "//DIRECT "}
-FP8_ONLY_BEGIN, FP8_ONLY_END = "// FP8 ONLY {", "// FP8 ONLY }"
+
+
+def region_markers(name: str) -> tuple[str, str]:
+    """The begin and end marker lines of the ``name`` regions."""
+    return f"// {name} ONLY {{", f"// {name} ONLY }}"
+
+
+FP8_ONLY_BEGIN, FP8_ONLY_END = region_markers("FP8")
 BF16_ALT = REGIONS["FP8"]
-NVSHMEM_ONLY_BEGIN, NVSHMEM_ONLY_END = "// NVSHMEM ONLY {", "// NVSHMEM ONLY }"
+NVSHMEM_ONLY_BEGIN, NVSHMEM_ONLY_END = region_markers("NVSHMEM")
 
 
 def without_region(text: str, name: str) -> str:
@@ -252,7 +259,7 @@ def without_region(text: str, name: str) -> str:
     ValueError) for an unknown name and on nested, unclosed or unopened markers."""
     if name not in REGIONS:
         raise ConfigError([f"name: expected one of {', '.join(REGIONS)}, got {name!r}"], "PTX text")
-    begin, end, alt = f"// {name} ONLY {{", f"// {name} ONLY }}", REGIONS[name]
+    (begin, end), alt = region_markers(name), REGIONS[name]
     out, inside = [], False
     for n, line in enumerate(text.split("\n"), 1):
         s = line.strip()
