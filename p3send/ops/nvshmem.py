@@ -431,10 +431,10 @@ class NvshmemTransport:
         if rows is not None and rows > self.staging_rows:
             out.append(f"staging_rows: the send holds rows up to {rows}, the transport stages {self.staging_rows}")
         need = cfg.max_tokens_per_rank * cfg.top_k * cfg.msg_bytes
-        if self.recv_bytes is not None and need > self.recv_bytes:
+        if need > self.recv_bytes:          # both sizes are known (_sym)
             out.append(f"recv: {self.recv_bytes} bytes, the cfg's slots need {need}")
         need = 8 * n_experts * max(cfg.n_ranks, 0)
-        if self.counts_bytes is not None and need > self.counts_bytes:
+        if need > self.counts_bytes:
             out.append(f"counts: {self.counts_bytes} bytes, n_experts*n_ranks counts need {need}")
         return out
 
