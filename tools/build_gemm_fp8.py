@@ -25,7 +25,11 @@ ROOT = build_gemm.ROOT
 BuildError = build_gemm.BuildError
 
 #: Measurement variants: name -> the macros they are compiled with (the source says what each does).
-VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"], "dual": ["-DP3F_DUAL", "-DP3F_NO_TURNS"],
+VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"], "dual": ["-DP3F_DUAL", "-DP3F_NO_TURNS"], "dual_turns": ["-DP3F_DUAL"],
+            "dual_104": ["-DP3F_DUAL", "-DP3F_NO_TURNS", "-DP3F_REGS_PRODUCER=104", "-DP3F_REGS_CONSUMER=200"],
+            "dual_96": ["-DP3F_DUAL", "-DP3F_NO_TURNS", "-DP3F_REGS_PRODUCER=96", "-DP3F_REGS_CONSUMER=200"],
+            "dual_sw": ["-DP3F_DUAL", "-DP3F_NO_TURNS", "-DP3F_SEND_WG", "-DP3F_REGS_PRODUCER=56",
+                        "-DP3F_REGS_CONSUMER=200"],
             "send_wg": ["-DP3F_SEND_WG"], "outline": ["-DP3F_OUTLINE"], "no_turns": ["-DP3F_NO_TURNS"],
             "tile128": ["-DP3F_TILE128"], "tile128_turns": ["-DP3F_TILE128", "-DP3F_TURNS"],
             "tile128_dual": ["-DP3F_TILE128", "-DP3F_DUAL"],

@@ -50,6 +50,11 @@ SAMPLE_ROWS = 48
 #: P3SEND_FP8_VARIANTS folder: name -> (label (no commas: P3SEND_FP8_SKIP's separator), launch
 #: shape (threads, dynamic shared memory) or None, linked through cuLink (else inlined))
 SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg 88/208)", None, False),
+                  "dual_turns": ("dual_turns: two accumulator sets in turns (setmaxnreg 88/208)", None, False),
+                  "dual_104": ("dual_104: two accumulator sets without turns (setmaxnreg 104/200)", None, False),
+                  "dual_96": ("dual_96: two accumulator sets without turns (setmaxnreg 96/200)", None, False),
+                  "dual_sw": ("dual_sw: two accumulator sets and 7 send warps (512 threads; setmaxnreg 56/200)",
+                              (512, 201956 + 4 * 48), False),
                   "send_wg": ("send_wg: 512 threads (7 send warps)", (512, 201956 + 4 * 48), False),
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
                   "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),
@@ -142,7 +147,7 @@ def _header(text: str) -> str:
     return "\n".join(lines[:n])
 
 
-def _variant(name: str, entry: str = "p3_gemm_fp8_send") -> str | None:
+def variant_text(name: str, entry: str = "p3_gemm_fp8_send") -> str | None:
     """The text of variant ``name`` from the P3SEND_FP8_VARIANTS folder, or None: absent, or
     built from another version of the source than the shipped PTX (its header differs: its
     launch shape may not be the one the bench gives it; noted in STALE)."""
@@ -291,7 +296,7 @@ def measure_shape(ctx, name: str) -> dict:
             fns[f"p3_gemm_fp8_send fused bm={bm0}, linked (cuLink)"] = lambda i: lk.launch(s, lk_blk)
         else:
             out["linked_registers"] = {"inlined": gem.k.num_regs}
-        npv = _variant("no_promote")
+        npv = variant_text("no_promote")
         if npv is not None:
             npg = GroupedGemmFp8Send(E, device=dev, variant_ptx=npv)
             closers.append(npg)
@@ -304,7 +309,7 @@ def measure_shape(ctx, name: str) -> dict:
             out["no_promote"] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.no_promote.ptx"
         c_ref = c.clone()
         for vname, (label, shape, linked) in SHAPE_VARIANTS.items():
-            vt = _variant(vname)
+            vt = variant_text(vname)
             if vt is None:
                 out[vname] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.{vname}.ptx"
                 continue
@@ -345,7 +350,7 @@ def measure_shape(ctx, name: str) -> dict:
             fns["p3_gemm_send (bf16) gated"] = lambda i: g16.launch(s, g16_gated)
             fns["p3_gemm_send (bf16) fused"] = lambda i: g16.launch(s, g16_fused)
             fns["p3_gemm_send (bf16) fused, linked (cuLink)"] = lambda i: g16l.launch(s, g16_link)
-            b16v = _variant("outline", "p3_gemm_send")
+            b16v = variant_text("outline", "p3_gemm_send")
             if b16v is not None:      # the linked route with the consumers' mainloop outlined (no C7509)
                 g16o = GroupedGemmSend(E, device=dev, linked=True, variant_ptx=b16v)
                 closers.append(g16o)

@@ -14,7 +14,9 @@ timed in turns with the others after warm-up (``Timer.interleaved``, medians):
   rows to 8 receive buffers, bf16, FP8, and bf16 of the FP8 row's bytes.
 - fused GEMM + send (prefill shape of the ``gemm_fp8`` section; the BF16 and the FP8 GEMM):
   gated (C written, nothing sent) and fused on each wire, where the GEMM launchers take
-  ``wire=``.
+  ``wire=``; with the FP8 GEMM's measurement variants of ``WIRE_GEMM_VARIANTS`` beside it
+  when ``P3SEND_FP8_VARIANTS`` holds them, each first checked: its FP8-wire receive buffers
+  (0xAB-filled before) equal to the shipped kernel's byte for byte.
 
 Bytes: the decode round's and the send's reads and writes of the rows (C, slots, output;
 not the routing inputs); the GEMM's: the bytes it sends (its reads of A and the weights are
@@ -197,7 +199,7 @@ def fused_gemm(ctx) -> dict:
     from ..ops.gemm_fp8 import GroupedGemmFp8Send
     from ..ops.quant import QuantFp8, scale_layout
     from ..oracle import fp8 as ref8
-    from .gemm_fp8 import SHAPES, routing, rows_per_expert
+    from .gemm_fp8 import SHAPE_VARIANTS, SHAPES, routing, rows_per_expert, variant_text
     E, _, _ = SHAPES["prefill"]
     N, K, ranks, top_k = a.hidden, a.gemm_k, a.ranks, a.top_k
     rpe = rows_per_expert("prefill")
@@ -239,18 +241,40 @@ def fused_gemm(ctx) -> dict:
         m8 = wire_msg_bytes(N, WIRE_FP8)
         fns = {}
         b16 = dict(expert_offsets_host=off, rows=rows, n_cols=N, k_dim=K, bm=128)
-        for label, g, args, kw in (("FP8 GEMM", gem8, (aq, sa, bw, sbw, offsets), dict(expert_offsets_host=off,
-                                                                                        bm=128)),
-                                   ("BF16 GEMM", gem16, (x, wb, offsets), b16)):
+        a8 = (aq, sa, bw, sbw, offsets)
+        k8 = dict(expert_offsets_host=off, bm=128)
+        plans = [("FP8 GEMM", gem8, a8, k8), ("BF16 GEMM", gem16, (x, wb, offsets), b16)]
+        for vname in WIRE_GEMM_VARIANTS:           # measurement variants of the FP8 GEMM, when built
+            vt = variant_text(vname)
+            if vt is None:
+                continue
+            gv = GroupedGemmFp8Send(E, device=dev, variant_ptx=vt)
+            closers.append(gv)
+            shape = SHAPE_VARIANTS[vname][1]
+            if shape is not None:                  # its launch shape: (threads, dynamic shared memory)
+                gv.threads, gv.smem = shape
+                driver.set_max_dynamic_smem(gv.k.func, gv.smem)
+            plans.append((f"FP8 GEMM {vname}", gv, a8, k8))
+        wire_bytes = {}
+        for label, g, args, kw in plans:
             gated = g.prepare(cfg(2 * N), *args, c, into=g.k.params_block(), **kw)
             fused16 = g.prepare(cfg(2 * N), *args, count_ptrs=cptr, p3_control=0, same_gpu=True,
                                 into=g.k.params_block(), **kw)
             fused8 = g.prepare(cfg(m8), *args, count_ptrs=cptr, p3_control=0, same_gpu=True, wire="fp8",
                                into=g.wire_kernel().params_block(), **kw)
+            if len(plans) > 2 and label.startswith("FP8 GEMM"):   # a variant's FP8-wire slots: the shipped kernel's
+                for r in recvs:
+                    r.fill(SENTINEL, s)
+                g.launch(s, fused8)
+                s.synchronize()
+                wire_bytes[label] = [r.download() for r in recvs]
             for tag, blk in (("gated", gated), ("fused bf16-wire", fused16), ("fused fp8-wire", fused8)):
                 g.launch(s, blk)
                 fns[f"{label} {tag}"] = lambda i, g=g, b=blk: g.launch(s, b)
         s.synchronize()
+        same_as_shipped = {k: all(np.array_equal(x_, y_) for x_, y_ in zip(v, wire_bytes["FP8 GEMM"]))
+                           for k, v in wire_bytes.items() if k != "FP8 GEMM"}
+        wire_bytes.clear()
         times = Timer(s, hold=True).interleaved(fns, rounds=max(3, a.iters // 5), per_round=2,
                                                 warmup=max(1, a.warmup // 5))
     finally:
@@ -260,13 +284,26 @@ def fused_gemm(ctx) -> dict:
             b.free()
     med = {k: v["median_us"] for k, v in times.items()}
     ratios = {}
-    for label in ("FP8 GEMM", "BF16 GEMM"):
+    labels = [p[0] for p in plans]
+    for label in labels:
         for tag in ("bf16-wire", "fp8-wire"):
             ratios[f"fused {tag} / gated ({label})"] = med[f"{label} fused {tag}"] / med[f"{label} gated"]
+    for label in labels[2:]:                       # the variants against the shipped FP8 GEMM's launches
+        for tag in ("gated", "fused fp8-wire"):
+            ratios[f"{tag}: {label} / FP8 GEMM"] = med[f"{label} {tag}"] / med[f"FP8 GEMM {tag}"]
     sent = {"gated": 0, "fused bf16-wire": rows * 2 * N, "fused fp8-wire": rows * m8}
-    return {"rows": rows, "n": N, "k": K, "experts": E, "times": times, "ratios": ratios,
-            "bytes": {f"{label} {tag}": b for label in ("FP8 GEMM", "BF16 GEMM") for tag, b in sent.items() if b}}
+    res = {"rows": rows, "n": N, "k": K, "experts": E, "times": times, "ratios": ratios,
+           "bytes": {f"{label} {tag}": b for label in labels for tag, b in sent.items() if b}}
+    if same_as_shipped:
+        res["checks"] = {f"{k}: fp8-wire slots equal the shipped kernel's": v for k, v in same_as_shipped.items()}
+    return res
 
+
+#: Measurement variants of the FP8 GEMM (tools/build_gemm_fp8.py --variant) timed in the fused
+#: part beside the shipped kernel when their PTX is in the P3SEND_FP8_VARIANTS folder: the
+#: quantiser runs in the send warps, so the variant with seven of them (send_wg) and the one
+#: with the faster mainloop (dual), and both (dual_sw)
+WIRE_GEMM_VARIANTS = ("send_wg", "dual", "dual_sw")
 
 #: comma-separated parts of the section to run (decode, send, gemm); unset: all three
 PARTS_ENV = "P3SEND_WIRE_PARTS"

@@ -146,8 +146,12 @@ constexpr int P3F_BN = 128, P3F_STAGES = 5, P3F_SMEM = 202612;
 #if defined(P3F_SEND_WG)
 using Layout = GemmLayout<P3F_BN, 128, 1, P3F_STAGES, P3F_STAGES * SA_STAGE, 7, 512, 128>;
 static_assert(Layout::SMEM == P3F_SMEM + 4 * 48, "the variant's dynamic shared memory (bench/gemm_fp8.py)");
+#ifndef P3F_REGS_PRODUCER                         // with P3F_DUAL too (variant dual_sw): 56 / 200
 #define P3F_REGS_PRODUCER 96
+#endif
+#ifndef P3F_REGS_CONSUMER
 #define P3F_REGS_CONSUMER 160
+#endif
 #else
 using Layout = GemmLayout<P3F_BN, 128, 1, P3F_STAGES, P3F_STAGES * SA_STAGE, 3, 384, 128>;
 // the shipped kernel's: its PTX header's LAUNCH and GroupedGemmFp8Send.SMEM (tile128's: the bench)

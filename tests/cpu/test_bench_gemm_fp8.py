@@ -69,6 +69,6 @@ def test_a_variant_built_from_another_source_is_left_out(tmp_path, monkeypatch):
     (tmp_path / "p3_gemm_fp8_send.stale.ptx").write_text("// an older header\n" + shipped)
     monkeypatch.setenv(gemm_fp8.VARIANTS_ENV, str(tmp_path))
     monkeypatch.setattr(gemm_fp8, "STALE", {})
-    assert gemm_fp8._variant("fresh") == shipped
-    assert gemm_fp8._variant("stale") is None and "p3_gemm_fp8_send.stale.ptx" in gemm_fp8.STALE
-    assert gemm_fp8._variant("absent") is None and len(gemm_fp8.STALE) == 1
+    assert gemm_fp8.variant_text("fresh") == shipped
+    assert gemm_fp8.variant_text("stale") is None and "p3_gemm_fp8_send.stale.ptx" in gemm_fp8.STALE
+    assert gemm_fp8.variant_text("absent") is None and len(gemm_fp8.STALE) == 1

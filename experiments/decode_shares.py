@@ -1,0 +1,50 @@
+"""Maintainer experiment, not maintained (experiments/README.md): the one-GPU decode round
+(8 ranks x 128 tokens, top-8, 32 local experts, hidden 7168; `Combine` as the bench's section
+`wire` builds it) on both wires, by send SMs per rank (`num_sms`; None: the default, 2 x SMs /
+ranks). Every round checked first (bf16 against the oracle, FP8 byte for byte against
+`oracle.wire` through the bench's `fp8_round_problems`), then the round and its sends alone
+timed as graph replays, all contenders in turns (medians).
+
+    PYTHONPATH=. python3 experiments/decode_shares.py
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from p3send.cuda import driver
+from p3send.ops.combine import Combine
+from p3send.oracle.cases import world_case, check_world
+from p3send.bench.wire import fp8_round_problems
+from p3send.bench.timing import Timer
+
+dev = driver.Device(0)
+seed = int(np.random.default_rng().integers(1 << 31))
+print("seed", seed)
+world = world_case(n_ranks=8, tokens=128, top_k=8, n_local=32, hidden=7168, seed=seed)
+shares = [None, 8, 12, 16, 24, 33, 48, 66, 132]
+combs, graphs, fns = {}, [], {}
+s = driver.Stream()
+for w in ("bf16", "fp8"):
+    for share in shares:
+        c = Combine(8, max_tokens=128, top_k=8, hidden=7168, n_local_experts=32, device=dev, stamps=False,
+                    guard=True, wire=w, num_sms=share)
+        c.load(world)
+        c.round()
+        p = fp8_round_problems(world, c) if w == "fp8" else check_world(
+            world, lambda r, c=c: c.recv_view(r, with_guard=True), c.output, guard=c.guard, recv_bytes=c.recv_bytes)
+        name = f"{w} send SMs {c.senders[0].grid}"
+        print(name, "check:", p or "exact", flush=True)
+        if p:
+            continue
+        combs[name] = c
+        g1, g2 = c.capture(), c.capture(receive=False)
+        graphs += [g1, g2]
+        fns["round, " + name] = lambda i, g=g1: g.launch(s)
+        fns["sends, " + name] = lambda i, g=g2: g.launch(s)
+t = Timer(s, hold=True).interleaved(fns, rounds=20, per_round=4, warmup=3)
+for k, v in t.items():
+    print(f"{k:40s} {v['median_us']:8.1f} us")
+for g in graphs:
+    g.close()
+for c in combs.values():
+    c.close()
