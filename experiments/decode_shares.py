@@ -33,6 +33,9 @@ for w in ("bf16", "fp8"):
         p = fp8_round_problems(world, c) if w == "fp8" else check_world(
             world, lambda r, c=c: c.recv_view(r, with_guard=True), c.output, guard=c.guard, recv_bytes=c.recv_bytes)
         name = f"{w} send SMs {c.senders[0].grid}"
+        if name in combs:                  # the default share is one of the listed ones: measured once
+            c.close()
+            continue
         print(name, "check:", p or "exact", flush=True)
         if p:
             continue

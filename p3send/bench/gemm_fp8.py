@@ -46,6 +46,9 @@ PASSES = 3
 VARIANTS_ENV = "P3SEND_FP8_VARIANTS"
 SKIP_ENV = "P3SEND_FP8_SKIP"          # comma-separated parts of contender names to leave out
 SAMPLE_ROWS = 48
+#: the launch shape of the variants with seven send warps (P3F_SEND_WG): 512 threads, the
+#: shipped dynamic shared memory and four more P3SendAcct of 48 bytes
+SEND_WG_SHAPE = (512, 201956 + 4 * 48)
 #: Variants timed gated and fused beside the shipped kernel when their PTX is in the
 #: P3SEND_FP8_VARIANTS folder: name -> (label (no commas: P3SEND_FP8_SKIP's separator), launch
 #: shape (threads, dynamic shared memory) or None, linked through cuLink (else inlined))
@@ -54,8 +57,8 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg
                   "dual_104": ("dual_104: two accumulator sets without turns (setmaxnreg 104/200)", None, False),
                   "dual_96": ("dual_96: two accumulator sets without turns (setmaxnreg 96/200)", None, False),
                   "dual_sw": ("dual_sw: two accumulator sets and 7 send warps (512 threads; setmaxnreg 56/200)",
-                              (512, 201956 + 4 * 48), False),
-                  "send_wg": ("send_wg: 512 threads (7 send warps)", (512, 201956 + 4 * 48), False),
+                              SEND_WG_SHAPE, False),
+                  "send_wg": ("send_wg: 512 threads (7 send warps)", SEND_WG_SHAPE, False),
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
                   "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),
                   "tile128": ("tile128: the earlier 128 x 128 tiles (shipped up to fbb32ce)", (384, 202612), False),
@@ -160,6 +163,17 @@ def variant_text(name: str, entry: str = "p3_gemm_fp8_send") -> str | None:
         STALE[p.name] = "left out: its header differs from the shipped PTX's (built from another source: rebuild it)"
         return None
     return text
+
+
+def variant_gemm(E: int, dev, vname: str, text: str) -> GroupedGemmFp8Send:
+    """A launcher of measurement variant ``vname`` (its PTX ``text``) with the launch shape and
+    route of SHAPE_VARIANTS."""
+    _, shape, linked = SHAPE_VARIANTS[vname]
+    gv = GroupedGemmFp8Send(E, device=dev, variant_ptx=text, linked=linked)
+    if shape is not None:                   # another launch shape: (threads, dynamic shared memory)
+        gv.threads, gv.smem = shape
+        driver.set_max_dynamic_smem(gv.k.func, gv.smem)
+    return gv
 
 
 def _deep_gemm():
@@ -308,7 +322,7 @@ def measure_shape(ctx, name: str) -> dict:
         else:
             out["no_promote"] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.no_promote.ptx"
         c_ref = c.clone()
-        for vname, (label, shape, linked) in SHAPE_VARIANTS.items():
+        for vname, (label, _, _) in SHAPE_VARIANTS.items():
             vt = variant_text(vname)
             if vt is None:
                 out[vname] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.{vname}.ptx"
@@ -318,11 +332,8 @@ def measure_shape(ctx, name: str) -> dict:
                 continue
             # its checks launch it first: a variant that fails or hangs there is named by this line
             print(f"[probe] {name}: {label}", flush=True)
-            gv = GroupedGemmFp8Send(E, device=dev, variant_ptx=vt, linked=linked)
+            gv = variant_gemm(E, dev, vname, vt)
             closers.append(gv)
-            if shape is not None:           # another launch shape: (threads, dynamic shared memory)
-                gv.threads, gv.smem = shape
-                driver.set_max_dynamic_smem(gv.k.func, gv.smem)
             vb = {f"gated bm={bm0}": gv.prepare(cfgs[0], aq, sa, bw, sb, offsets, c, bm=bm0,
                                                 into=gv.k.params_block(), **common),
                   f"fused bm={bm0}": gv.prepare(cfgs[1], aq, sa, bw, sb, offsets, bm=bm0, count_ptrs=cptr[1],

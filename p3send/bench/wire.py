@@ -199,7 +199,7 @@ def fused_gemm(ctx) -> dict:
     from ..ops.gemm_fp8 import GroupedGemmFp8Send
     from ..ops.quant import QuantFp8, scale_layout
     from ..oracle import fp8 as ref8
-    from .gemm_fp8 import SHAPE_VARIANTS, SHAPES, routing, rows_per_expert, variant_text
+    from .gemm_fp8 import SHAPES, routing, rows_per_expert, variant_gemm, variant_text
     E, _, _ = SHAPES["prefill"]
     N, K, ranks, top_k = a.hidden, a.gemm_k, a.ranks, a.top_k
     rpe = rows_per_expert("prefill")
@@ -248,12 +248,8 @@ def fused_gemm(ctx) -> dict:
             vt = variant_text(vname)
             if vt is None:
                 continue
-            gv = GroupedGemmFp8Send(E, device=dev, variant_ptx=vt)
+            gv = variant_gemm(E, dev, vname, vt)
             closers.append(gv)
-            shape = SHAPE_VARIANTS[vname][1]
-            if shape is not None:                  # its launch shape: (threads, dynamic shared memory)
-                gv.threads, gv.smem = shape
-                driver.set_max_dynamic_smem(gv.k.func, gv.smem)
             plans.append((f"FP8 GEMM {vname}", gv, a8, k8))
         wire_bytes = {}
         for label, g, args, kw in plans:
