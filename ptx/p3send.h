@@ -252,7 +252,10 @@ extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3Se
  *   ceil(rows * k_dim / 8 / P3_QUANT_FP8_THREADS); bf16 x -> e4m3 q + float32 scales.
  * p3_gemm_fp8_send (ptx/p3_gemm_fp8_send.ptx, sm_90a): block (P3_GEMM_FP8_THREADS, 1, 1),
  *   P3_GEMM_FP8_SMEM bytes of dynamic shared memory, grid 1..SMs; n_cols and k_dim multiples
- *   of P3_FP8_BLOCK.
+ *   of P3_FP8_BLOCK. The kernel for 64-row tiles and the one to link.
+ * p3_gemm_fp8_send_wide (ptx/p3_gemm_fp8_send_wide.ptx, sm_90a): the same parameters, C and
+ *   receive bytes; block (P3_GEMM_FP8_WIDE_THREADS, 1, 1), P3_GEMM_FP8_WIDE_SMEM bytes; the
+ *   faster at 128-row tiles, loaded with p3_send_rows.ptx appended (never linked).
  * Activation scales, one per (row, P3_FP8_BLOCK columns), are MN-major: (row, kb) at float
  * kb * P3_FP8_SCALE_ROWS(rows) + row (columns 16-byte aligned for the tensor map). Weight
  * scales: float32 (E, N/P3_FP8_BLOCK, K/P3_FP8_BLOCK), contiguous. */
@@ -261,6 +264,8 @@ extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3Se
 #define P3_QUANT_FP8_THREADS 256
 #define P3_GEMM_FP8_THREADS 384
 #define P3_GEMM_FP8_SMEM 201956
+#define P3_GEMM_FP8_WIDE_THREADS 512
+#define P3_GEMM_FP8_WIDE_SMEM 202004
 
 /* ======================================================================== */
 /* The combine's wire formats (p3send/abi/wire.py; docs/PROTOCOL.md)        */

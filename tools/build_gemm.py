@@ -162,7 +162,8 @@ def header_block(source: str, begin: str, end: str, tool: str, src_name: str) ->
 
 
 class GemmBuild(NamedTuple):
-    """One generated GEMM: ptx/<entry>.ptx, built from ptx/cuda/<entry>.cu. ``tool``: the
+    """One generated GEMM: ptx/<entry>.ptx, built from ptx/cuda/<source or entry>.cu with
+    ``defines`` (nvcc's -D options: one source may ship several kernels). ``tool``: the
     script (its messages start with it); ``param_names``: the kernel's parameters in
     declaration order (nvcc's <entry>_param_<i> get these names); ``variants``: name -> the
     macros a measurement variant is compiled with (never shipped)."""
@@ -171,10 +172,12 @@ class GemmBuild(NamedTuple):
     entry: str
     param_names: tuple
     variants: dict = {}          # read only (one default shared by every instance)
+    source: str = ""
+    defines: tuple = ()
 
     @property
     def src(self) -> Path:
-        return ROOT / "ptx" / "cuda" / f"{self.entry}.cu"
+        return ROOT / "ptx" / "cuda" / f"{self.source or self.entry}.cu"
 
     @property
     def out(self) -> Path:
@@ -207,7 +210,7 @@ class GemmBuild(NamedTuple):
                 src = Path(tmp) / self.src.name
                 src.write_text(source)
                 inc += ["-I", str(self.src.parent)]
-            cmd = [str(tk.nvcc), *NVCC_FLAGS, *defines, *inc, str(src), "-o", str(out)]
+            cmd = [str(tk.nvcc), *NVCC_FLAGS, *self.defines, *defines, *inc, str(src), "-o", str(out)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 raise BuildError(f"{self.tool}: nvcc failed ({' '.join(cmd)}):\n{r.stderr}")
@@ -220,11 +223,12 @@ class GemmBuild(NamedTuple):
             raise BuildError(f"{self.tool}: the kernel has more parameters than PARAM_NAMES")
         return head + ptxdoc.set_prototype_linkage(text, "visible")
 
-    def main(self, argv, description: str) -> int:
-        """The script: write the shipped file, or --check it, or build a --variant to -o;
-        --ptxas assembles the loaded module. Returns the exit status."""
+    def main(self, argv, description: str, also=()) -> int:
+        """The script: write the shipped file (and those of the builds ``also``, from the same
+        source), or --check them, or build a --variant of this one to -o; --ptxas assembles
+        each loaded module. Returns the exit status."""
         ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-        ap.add_argument("--check", action="store_true", help="compare with the shipped file instead of writing it")
+        ap.add_argument("--check", action="store_true", help="compare with the shipped files instead of writing them")
         ap.add_argument("--ptxas", action="store_true", help="assemble the loaded module with ptxas -v")
         if self.variants:
             ap.add_argument("--variant", choices=sorted(self.variants), help="build a measurement variant (needs -o)")
@@ -240,35 +244,40 @@ class GemmBuild(NamedTuple):
         try:
             tk = toolkit(a.nvcc)
             print(f"{self.tool}: using {tk.origin}", file=sys.stderr)
-            text = self.build(tk, defines=self.variants[variant] if variant else ())
+            texts = [(self, self.build(tk, defines=self.variants[variant] if variant else ()))]
+            if not variant:
+                texts += [(b, b.build(tk)) for b in also]
         except BuildError as e:
             print(e, file=sys.stderr)
             return 2
-        out = self.out
-        if variant:
-            a.output.write_text(text)
-            print(f"wrote variant {variant} to {a.output} ({len(text)} bytes)")
-        elif a.check:
-            if not out.exists() or out.read_text() != text:
-                print(f"{out.relative_to(ROOT)} is stale: run python tools/{self.tool}.py")
-                return 1
-            print(f"{out.relative_to(ROOT)} is up to date")
-        else:
-            out.write_text(text)
-            print(f"wrote {out.relative_to(ROOT)} ({len(text)} bytes)")
-        if a.ptxas:
-            if tk.ptxas is None:
-                print(f"{self.tool}: no ptxas beside {tk.nvcc} or on PATH", file=sys.stderr)
-                return 2
-            with tempfile.TemporaryDirectory() as tmp:
-                p = Path(tmp) / "m.ptx"
-                p.write_text(inlined(text))
-                r = subprocess.run([str(tk.ptxas), "-arch=sm_90a", "-v", str(p), "-o", str(Path(tmp) / "m.cubin")],
-                                   capture_output=True, text=True)
-                print(r.stdout + r.stderr)
-                if r.returncode:
-                    return 1
-        return 0
+        rc = 0
+        for b, text in texts:
+            out = b.out
+            if variant:
+                a.output.write_text(text)
+                print(f"wrote variant {variant} to {a.output} ({len(text)} bytes)")
+            elif a.check:
+                if not out.exists() or out.read_text() != text:
+                    print(f"{out.relative_to(ROOT)} is stale: run python tools/{self.tool}.py")
+                    rc = 1
+                    continue
+                print(f"{out.relative_to(ROOT)} is up to date")
+            else:
+                out.write_text(text)
+                print(f"wrote {out.relative_to(ROOT)} ({len(text)} bytes)")
+            if a.ptxas:
+                if tk.ptxas is None:
+                    print(f"{self.tool}: no ptxas beside {tk.nvcc} or on PATH", file=sys.stderr)
+                    return 2
+                with tempfile.TemporaryDirectory() as tmp:
+                    p = Path(tmp) / "m.ptx"
+                    p.write_text(inlined(text))
+                    r = subprocess.run([str(tk.ptxas), "-arch=sm_90a", "-v", str(p), "-o",
+                                        str(Path(tmp) / "m.cubin")], capture_output=True, text=True)
+                    print(r.stdout + r.stderr)
+                    if r.returncode:
+                        rc = 1
+        return rc
 
 
 def inlined(text: str) -> str:

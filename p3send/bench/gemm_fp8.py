@@ -5,8 +5,10 @@ Shapes (rows per expert drawn uniformly in 0.7 .. 1.3 x the mean, as DeepGEMM's 
 them; DeepGEMM's contiguous layout: every expert's span starts at a multiple of 128, padding
 rows owned by no rank): prefill 32 experts x ~1,024 rows, 8 x ~4,096, decode 32 x ~32.
 Contenders, timed in turns (``Timer.interleaved``) in ``PASSES`` passes: the quantiser
-(``p3_quant_fp8``, the conversion, timed apart), ``p3_gemm_fp8_send`` gated (C written) and
-fused (rows sent to 8 receive buffers on this GPU, .gpu-scope signal), the same fused launch
+(``p3_quant_fp8``, the conversion, timed apart), the FP8 GEMM gated (C written) and fused (rows
+sent to 8 receive buffers on this GPU, .gpu-scope signal) as ``GroupedGemmFp8Send`` launches it
+(``p3_gemm_fp8_send_wide`` at 128-row tiles: the report's "kernels"), the 384-thread
+``p3_gemm_fp8_send`` at 128-row tiles beside it (NARROW, checked as the variants), the same fused launch
 linked through cuLink, a no-promotion variant of the gated GEMM when its PTX is found
 (``P3SEND_FP8_VARIANTS``: a folder holding ``p3_gemm_fp8_send.no_promote.ptx`` from
 tools/build_gemm_fp8.py --variant), the variants of ``SHAPE_VARIANTS`` gated and fused when
@@ -56,8 +58,8 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg
                   "dual_turns": ("dual_turns: two accumulator sets in turns (setmaxnreg 88/208)", None, False),
                   "dual_104": ("dual_104: two accumulator sets without turns (setmaxnreg 104/200)", None, False),
                   "dual_96": ("dual_96: two accumulator sets without turns (setmaxnreg 96/200)", None, False),
-                  "dual_sw": ("dual_sw: two accumulator sets and 7 send warps (512 threads; setmaxnreg 56/200)",
-                              SEND_WG_SHAPE, False),
+                  "dual_sw": ("dual_sw: two accumulator sets and 7 send warps (setmaxnreg 56/200)", SEND_WG_SHAPE,
+                              False),
                   "send_wg": ("send_wg: 512 threads (7 send warps)", SEND_WG_SHAPE, False),
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
                   "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),
@@ -66,6 +68,9 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg
                   "tile128_dual": ("tile128_dual: 128 x 128 tiles with two accumulator sets", (384, 202612), False),
                   "tile128_send_wg": ("tile128_send_wg: 128 x 128 tiles and 7 send warps", (512, 202612 + 4 * 48),
                                       False)}
+#: the shipped 384-thread kernel at 128-row tiles (the launcher's wide=False), timed beside the
+#: default (p3_gemm_fp8_send_wide at 128-row tiles) and checked as the variants are
+NARROW = "384 threads: the shipped p3_gemm_fp8_send (wide=False)"
 FLOOR = "weight-read floor (FP8 weights read once)"
 BF16_OUTLINED = "p3_gemm_send (bf16) fused, linked (cuLink), consumer outlined"
 
@@ -169,11 +174,7 @@ def variant_gemm(E: int, dev, vname: str, text: str) -> GroupedGemmFp8Send:
     """A launcher of measurement variant ``vname`` (its PTX ``text``) with the launch shape and
     route of SHAPE_VARIANTS."""
     _, shape, linked = SHAPE_VARIANTS[vname]
-    gv = GroupedGemmFp8Send(E, device=dev, variant_ptx=text, linked=linked)
-    if shape is not None:                   # another launch shape: (threads, dynamic shared memory)
-        gv.threads, gv.smem = shape
-        driver.set_max_dynamic_smem(gv.k.func, gv.smem)
-    return gv
+    return GroupedGemmFp8Send(E, device=dev, variant_ptx=text, linked=linked, variant_shape=shape)
 
 
 def _deep_gemm():
@@ -306,10 +307,10 @@ def measure_shape(ctx, name: str) -> dict:
             closers.append(lk)
             lk_blk = lk.prepare(cfgs[1], aq, sa, bw, sb, offsets, bm=bm0, count_ptrs=cptr[1], p3_control=0,
                                 same_gpu=True, into=lk.k.params_block(), **common)
-            out["linked_registers"] = {"inlined": gem.k.num_regs, "linked": lk.k.num_regs}
+            out["linked_registers"] = {"inlined": gem.kernel_for(bm0).num_regs, "linked": lk.k.num_regs}
             fns[f"p3_gemm_fp8_send fused bm={bm0}, linked (cuLink)"] = lambda i: lk.launch(s, lk_blk)
         else:
-            out["linked_registers"] = {"inlined": gem.k.num_regs}
+            out["linked_registers"] = {"inlined": gem.kernel_for(bm0).num_regs}
         npv = variant_text("no_promote")
         if npv is not None:
             npg = GroupedGemmFp8Send(E, device=dev, variant_ptx=npv)
@@ -322,8 +323,9 @@ def measure_shape(ctx, name: str) -> dict:
         else:
             out["no_promote"] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.no_promote.ptx"
         c_ref = c.clone()
-        for vname, (label, _, _) in SHAPE_VARIANTS.items():
-            vt = variant_text(vname)
+        out["kernels"] = {f"bm={b}": gem.kernel_for(b).name for b in (128, 64)}
+        for vname, (label, _, _) in {"narrow": (NARROW, None, False), **SHAPE_VARIANTS}.items():
+            vt = variant_text(vname) if vname != "narrow" else ""
             if vt is None:
                 out[vname] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.{vname}.ptx"
                 continue
@@ -332,7 +334,7 @@ def measure_shape(ctx, name: str) -> dict:
                 continue
             # its checks launch it first: a variant that fails or hangs there is named by this line
             print(f"[probe] {name}: {label}", flush=True)
-            gv = variant_gemm(E, dev, vname, vt)
+            gv = variant_gemm(E, dev, vname, vt) if vt else GroupedGemmFp8Send(E, device=dev, wide=False)
             closers.append(gv)
             vb = {f"gated bm={bm0}": gv.prepare(cfgs[0], aq, sa, bw, sb, offsets, c, bm=bm0,
                                                 into=gv.k.params_block(), **common),
@@ -514,7 +516,7 @@ def _ratios(res: dict, name: str, bm0: int, passes: list) -> dict:
            "bf16_linked_over_inlined": r("p3_gemm_send (bf16) fused, linked (cuLink)", "p3_gemm_send (bf16) fused"),
            "bf16_linked_outlined_over_inlined": r(BF16_OUTLINED, "p3_gemm_send (bf16) fused"),
            "fp8_over_bf16": r(gated, "p3_gemm_send (bf16) gated")}
-    for label, _, _ in SHAPE_VARIANTS.values():
+    for label in (NARROW, *(v[0] for v in SHAPE_VARIANTS.values())):
         g_v, f_v = f"{gated}, {label}", f"{fused}, {label}"
         out[f"[{label}] gemm_over_deepgemm"] = r(g_v, "DeepGEMM contiguous")
         out[f"[{label}] gemm_over_shipped_gemm"] = r(g_v, gated)

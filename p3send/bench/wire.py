@@ -244,6 +244,9 @@ def fused_gemm(ctx) -> dict:
         a8 = (aq, sa, bw, sbw, offsets)
         k8 = dict(expert_offsets_host=off, bm=128)
         plans = [("FP8 GEMM", gem8, a8, k8), ("BF16 GEMM", gem16, (x, wb, offsets), b16)]
+        narrow = GroupedGemmFp8Send(E, device=dev, wide=False)     # the 384-thread kernel at 128-row tiles
+        closers.append(narrow)
+        plans.append(("FP8 GEMM 384 threads", narrow, a8, k8))
         for vname in WIRE_GEMM_VARIANTS:           # measurement variants of the FP8 GEMM, when built
             vt = variant_text(vname)
             if vt is None:
@@ -287,7 +290,7 @@ def fused_gemm(ctx) -> dict:
     for label in labels:
         for tag in ("bf16-wire", "fp8-wire"):
             ratios[f"fused {tag} / gated ({label})"] = med[f"{label} fused {tag}"] / med[f"{label} gated"]
-    for label in labels[2:]:                       # the variants against the shipped FP8 GEMM's launches
+    for label in labels[2:]:                       # the 384-thread kernel and the variants against the default
         for tag in ("gated", "fused fp8-wire"):
             ratios[f"{tag}: {label} / FP8 GEMM"] = med[f"{label} {tag}"] / med[f"FP8 GEMM {tag}"]
     sent = {"gated": 0, "fused bf16-wire": rows * 2 * N, "fused fp8-wire": rows * m8}
@@ -300,8 +303,10 @@ def fused_gemm(ctx) -> dict:
 
 #: Measurement variants of the FP8 GEMM (tools/build_gemm_fp8.py --variant) timed in the fused
 #: part beside the shipped kernel when their PTX is in the P3SEND_FP8_VARIANTS folder: the
-#: quantiser runs in the send warps, so the variant with seven of them (send_wg) and the one
-#: with the faster mainloop (dual), and both (dual_sw)
+#: quantiser runs in the send warps, so the variant with seven of them (send_wg), the one with
+#: the faster mainloop (dual) and both (dual_sw: seven send warps at 56 registers); the shipped
+#: wide kernel (the default: the faster mainloop, four send warps at 88) is timed beside the
+#: 384-thread one ("FP8 GEMM 384 threads")
 WIRE_GEMM_VARIANTS = ("send_wg", "dual", "dual_sw")
 
 #: comma-separated parts of the section to run (decode, send, gemm); unset: all three

@@ -176,21 +176,24 @@ class DeviceArgsCache:
 
 class GroupedGemmLauncher(SendLauncher):
     """What the grouped-GEMM launchers (``GroupedGemmSend``, ``GroupedGemmFp8Send``) share: the
-    kernel loaded (inlined, linked or a variant; inlined, two modules: ``k`` for the bf16 wire,
-    with p3_send_rows.ptx less its FP8 code, and ``wire_kernel()`` for the fp8 wire, with the
-    file whole), the sender state (zeroed once,
-    self-resetting), the diagnostics, the argument checks of sizes, send, C and tile height,
-    and per parameter block the P3SendCtx and tensor maps on the device. Subclasses set
-    the kernel's ``ENTRY``, ``THREADS``, ``SMEM`` (its dynamic shared memory), ``BN`` and
-    ``BK`` (the multiples N and K must be), ``MAX_EXPERTS``, ``LINK_MAX_REGISTERS`` (the linked
-    route's cap), ``NEEDS`` (what of sm_90a it needs, for the refusal of other GPUs) and
-    ``KIND`` (the prefix of its messages).
+    kernels loaded (inlined, linked or a variant; inlined, two modules per kernel: one for the
+    bf16 wire, with p3_send_rows.ptx less its FP8 code, and one for the fp8 wire, with the file
+    whole: ``wire_kernel()``), the sender state (zeroed once, self-resetting), the diagnostics,
+    the argument checks of sizes, send, C and tile height, and per parameter block the
+    P3SendCtx and tensor maps on the device. Subclasses set the kernel's ``ENTRY``,
+    ``THREADS``, ``SMEM`` (its dynamic shared memory), ``BN`` and ``BK`` (the multiples N and
+    K must be), ``MAX_EXPERTS``, ``LINK_MAX_REGISTERS`` (the linked route's cap), ``NEEDS``
+    (what of sm_90a it needs, for the refusal of other GPUs), ``KIND`` (the prefix of its
+    messages) and ``WIDE``: None, or (entry, threads, dynamic shared memory) of a second
+    kernel with the same parameters that launches instead for 128-row tiles (``wide``).
 
     Two ways to launch: ``prepare`` a block (each block has its device-side arguments in its
     own buffer, uploaded synchronously: not while that block's launch is in flight) and
     ``launch`` it as often as wanted; or call the launcher, which may be called again while
     earlier calls are still queued (``__call__``: the device-side arguments are kept per
-    distinct content in ``device_args``, ``DEVICE_ARGS_SLOTS`` of them)."""
+    distinct content in ``device_args``, ``DEVICE_ARGS_SLOTS`` of them). A block is of one
+    kernel (``block.kernel``); ``prepare`` binds the block it fills to the kernel its tile
+    height and wire need (blocks of this launcher's kernels all have the same parameters)."""
 
     ENTRY: str
     THREADS: int
@@ -201,71 +204,115 @@ class GroupedGemmLauncher(SendLauncher):
     LINK_MAX_REGISTERS: int
     NEEDS: str
     KIND = ""
+    WIDE: tuple | None = None
     #: distinct device-side argument sets (P3SendCtx + tensor maps) ``__call__`` keeps uploaded
     DEVICE_ARGS_SLOTS = 128
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, linked: bool = False,
-                 num_sms: int | None = None, variant_ptx: str | None = None):
+                 num_sms: int | None = None, variant_ptx: str | None = None, wide: bool | None = None,
+                 variant_shape: tuple | None = None):
         what = f"{self.KIND}grouped GEMM"
         if not (1 <= n_experts <= self.MAX_EXPERTS):
             raise ConfigError([f"n_experts: expected 1..{self.MAX_EXPERTS}, got {n_experts}"], what)
+        if wide and self.WIDE is None:
+            raise ConfigError([f"wide: expected False or None ({self.ENTRY} has no wide kernel), got True"], what)
+        if wide and (linked or variant_ptx is not None):
+            raise ConfigError(["wide: expected False or None with linked=True or a variant_ptx (the wide kernel "
+                               "is loaded inlined and shipped only: linked, ptxas drops its setmaxnreg), got True"],
+                              what)
         self.dev = device or driver.device()
         require_hopper(self.dev, self.ENTRY, self.NEEDS)
-        entry = self.ENTRY
-        if linked:
-            mod = link([(f"{entry}.ptx", module_text(entry, variant_ptx, linked=True)), "p3_send_rows"],
-                       device=self.dev, name=f"{entry}+p3_send_rows (linked)", max_registers=self.LINK_MAX_REGISTERS)
-            self.k = mod[entry]
-        else:
-            # two modules: k sends the bf16 wire (p3_send_rows without its FP8 code, faster:
-            # docs/PERF.md), wire_kernel() also the fp8 wire (the shipped p3_send_rows whole)
-            self.k = load(module_text(entry, variant_ptx, bf16_only=True), device=self.dev,
-                          name=f"{entry} (variant, bf16 wire)" if variant_ptx is not None
-                          else f"{entry}.ptx (bf16 wire)")[entry]
-        if self.SMEM > self.dev.smem_optin:
-            raise P3SendError(f"{entry} needs {self.SMEM} B of shared memory per block; {self.dev.name} allows "
-                              f"{self.dev.smem_optin}")
-        driver.set_max_dynamic_smem(self.k.func, self.SMEM)
         sms = self.dev.sm_count
         if num_sms is not None and not (1 <= num_sms <= sms):
             raise ConfigError([f"num_sms: expected 1..{sms}, got {num_sms}"], what)
         self.grid, self.threads, self.smem = num_sms or sms, self.THREADS, self.SMEM
         self.n_experts, self.linked = int(n_experts), linked
+        self.wide = self.WIDE is not None and not linked and variant_ptx is None if wide is None else bool(wide)
+        self._variant = variant_ptx
+        self._variant_shape = variant_shape if variant_ptx is not None else None
+        #: (wide, fp8 wire) -> (Kernel, its own ParamBlock, threads, dynamic shared memory)
+        self._kernels: dict = {}
+        entry = self.ENTRY
+        if linked:
+            mod = link([(f"{entry}.ptx", module_text(entry, variant_ptx, linked=True)), "p3_send_rows"],
+                       device=self.dev, name=f"{entry}+p3_send_rows (linked)", max_registers=self.LINK_MAX_REGISTERS)
+            # one module for both wires (it links the shipped p3_send_rows whole)
+            self._kernels[(False, False)] = self._kernels[(False, True)] = self._shaped(mod[entry], False)
+        self.k = self.kernel_for(64)    # the bf16 wire's kernel of 64-row tiles (of every tile without wide)
+        if self.wide:
+            self.kernel_for(128)        # loaded now, not in the first prepare (a JIT compile: seconds)
         self.state = driver.DeviceBuffer(40 * self.n_experts, fill=0)
         self.diag = driver.DeviceBuffer(16, fill=0)
-        self._own = self.k.params_block()
-        # a linked launcher: one module for both wires (it links the shipped p3_send_rows whole)
-        self._wire = (self.k, self._own) if linked else None
-        self._variant = variant_ptx
+        self._own = self._kernels[(False, False)][1]
         self._last = self._own      # the own block the last prepare filled (launch's default)
         self._dev_args: dict = {}   # id(parameter block) -> its P3SendCtx and tensor maps on the device
         self.device_args: DeviceArgsCache | None = None    # __call__'s, made on its first launch
         self._one_shot = False      # prepare() inside __call__: the upload is left to the launch
 
+    def _shaped(self, k: Kernel, wide: bool) -> tuple:
+        """(k, its own block, threads, shared memory), with k's shared memory allowed."""
+        _, threads, smem = self.WIDE if wide else (self.ENTRY, self.THREADS, self.SMEM)
+        if self._variant_shape is not None:
+            threads, smem = self._variant_shape
+        if smem > self.dev.smem_optin:
+            raise P3SendError(f"{k.name} needs {smem} B of shared memory per block; {self.dev.name} allows "
+                              f"{self.dev.smem_optin}")
+        driver.set_max_dynamic_smem(k.func, smem)
+        return k, k.params_block(), threads, smem
+
+    def kernel_for(self, bm: int, fp8_wire: bool = False) -> Kernel:
+        """The kernel a launch of ``bm``-row tiles on the fp8 (``fp8_wire``) or bf16 wire runs:
+        the wide kernel (``WIDE``) for 128-row tiles when ``self.wide``, else ``ENTRY``. Its
+        module is compiled on first use (seconds)."""
+        key = (self.wide and bm == 128, bool(fp8_wire))
+        got = self._kernels.get(key)
+        if got is None:
+            entry = self.WIDE[0] if key[0] else self.ENTRY
+            kind = "variant" if self._variant is not None else f"{entry}.ptx"
+            if fp8_wire:
+                k = kernel(entry, self.dev) if self._variant is None else \
+                    load(module_text(entry, self._variant), device=self.dev, name=f"{entry} (variant)")[entry]
+            else:
+                k = load(module_text(entry, self._variant, bf16_only=True), device=self.dev,
+                         name=f"{kind} (bf16 wire)")[entry]
+            got = self._kernels[key] = self._shaped(k, key[0])
+        return got[0]
+
     def wire_kernel(self) -> Kernel:
-        """The kernel of an fp8-wire launch: the module with the shipped ``p3_send_rows.ptx``
-        whole, which quantises when the flags carry ``FLAG_WIRE_FP8`` (``k``, the default
-        kernel, is built without that code and sends the bf16 wire only). A block for
-        ``prepare(..., wire="fp8", into=...)`` comes from ``wire_kernel().params_block()``.
-        A linked launcher has one module: ``k``. The module is compiled on first use (the
-        first fp8-wire ``prepare`` or call; seconds): call this before timing."""
-        if self._wire is None:
-            entry = self.ENTRY
-            k = kernel(entry, self.dev) if self._variant is None else \
-                load(module_text(entry, self._variant), device=self.dev, name=f"{entry} (variant)")[entry]
-            driver.set_max_dynamic_smem(k.func, self.smem)
-            self._wire = (k, k.params_block())
-        return self._wire[0]
+        """The kernel of an fp8-wire launch of 128-row tiles: a module with the shipped
+        ``p3_send_rows.ptx`` whole, which quantises when the flags carry ``FLAG_WIRE_FP8``
+        (the bf16 wire's modules are built without that code). Loads every fp8-wire kernel
+        this launcher may launch (``kernel_for(bm, True)``; compiled on first use, seconds:
+        call this before timing). A linked launcher has one module: ``k``. A block for
+        ``prepare(..., wire="fp8", into=...)`` may come from any of the launcher's kernels."""
+        self.kernel_for(64, True)
+        return self.kernel_for(128, True)
+
+    def _entry(self, k: Kernel):
+        """The launcher's (key, (kernel, own block, threads, smem)) of kernel ``k``, or None."""
+        return next(((key, v) for key, v in self._kernels.items() if v[0] is k), None)
+
+    def bind(self, blk: ParamBlock, k: Kernel) -> ParamBlock:
+        """Make ``blk`` a block of ``k`` (its parameters' values kept): a block of any kernel
+        with k's parameter table. Raises ConfigError for a block of another table."""
+        if blk.kernel is not k:
+            sig = [(p.offset, p.size, p.type, p.name) for p in k.params]
+            if [(p.offset, p.size, p.type, p.name) for p in blk.kernel.params] != sig:
+                raise ConfigError([f"into: expected a block of {k.name} (from params_block() of this launcher's "
+                                   f"kernels), got a block of {blk.kernel.name}, whose parameters differ"],
+                                  f"{self.KIND}grouped-GEMM launch")
+            blk.kernel = k
+        return blk
 
     @property
     def block(self) -> ParamBlock:
-        """The launcher's own block that the last ``prepare`` without ``into`` filled: ``k``'s,
-        or ``wire_kernel()``'s after an fp8-wire one (so ``launch(s, g.block)`` launches what
-        that ``prepare`` filled, on either wire)."""
+        """The launcher's own block that the last ``prepare`` without ``into`` filled (one per
+        kernel: so ``launch(s, g.block)`` launches what that ``prepare`` filled)."""
         return self._last
 
     def launch(self, stream: driver.Stream, block: ParamBlock | None = None) -> None:
-        """Enqueue a prepared launch on ``stream`` (no host wait).
+        """Enqueue a prepared launch on ``stream`` (no host wait), in the shape of the block's
+        kernel.
 
         Args:
             stream: a ``driver.Stream``.
@@ -273,14 +320,20 @@ class GroupedGemmLauncher(SendLauncher):
                 that the last ``prepare`` without ``into`` filled (``self.block``).
 
         Raises:
-            ConfigError: a block prepared for the fp8 wire that is not of ``wire_kernel()``.
+            ConfigError: a block of a kernel this launcher did not load, or one prepared for
+                the fp8 wire whose kernel's p3_send_rows does not quantise.
         """
         blk = block or self._last
-        if getattr(blk, "fp8_wire", False) and (self._wire is None or blk.kernel is not self._wire[0]):
-            raise ConfigError(["block: prepared for the fp8 wire, but not a block of wire_kernel() (its "
-                               "p3_send_rows quantises; this one would send bf16 rows)"],
-                              f"{self.KIND}grouped-GEMM launch")
-        super().launch(stream, blk)
+        found = self._entry(blk.kernel)
+        what = f"{self.KIND}grouped-GEMM launch"
+        if found is None:
+            raise ConfigError([f"block: expected a block prepared by this launcher, got one of {blk.kernel.name} "
+                               f"that it did not load"], what)
+        if getattr(blk, "fp8_wire", False) and not found[0][1]:
+            raise ConfigError(["block: prepared for the fp8 wire, but not a block of an fp8-wire kernel "
+                               "(wire_kernel(): its p3_send_rows quantises; this one would send bf16 rows)"], what)
+        _, _, threads, smem = found[1]
+        blk.launch((self.grid,), (threads,), stream, smem)
 
     def check_weights(self, name: str, shape: tuple, n_cols, k_dim, k_of: str, problems: list):
         """The weights' shape (E, N, K), once known to be one: E must be ``n_experts`` and K, when
@@ -464,17 +517,13 @@ class GroupedGemmLauncher(SendLauncher):
         ctx.count_ptrs[:] = sargs.count_ptrs
         ctx.expert_offsets, ctx.state_ptr, ctx.diag_ptr = sargs.expert_offsets, self.state.ptr, self.diag.ptr
         ctx.n_experts, ctx.flags, ctx.p3_control = self.n_experts, sargs.flags, int(p3_control) if send else -1
-        if sargs.flags & FLAG_WIRE_FP8 and ctx.p3_control >= 0:
-            k = self.wire_kernel()
-            if into is not None and into.kernel is not k:
-                raise ConfigError(["into: the fp8 wire needs a block of wire_kernel() (its p3_send_rows "
-                                   "quantises), got a block of another kernel"], f"{self.KIND}grouped-GEMM launch")
-            blk = into or self._wire[1]
-        else:
-            blk = into or self._own
+        fp8 = bool(sargs.flags & FLAG_WIRE_FP8) and ctx.p3_control >= 0
+        k = self.kernel_for(int(params["bm"]), fp8)
         if into is None:
-            self._last = blk        # the launcher's own block of either kernel: launch's default
-        blk.fp8_wire = bool(sargs.flags & FLAG_WIRE_FP8) and ctx.p3_control >= 0    # launch checks it
+            blk = self._last = self._entry(k)[1][1]     # the launcher's own block of k: launch's default
+        else:
+            blk = self.bind(into, k)
+        blk.fp8_wire = fp8                                  # launch checks it
         blk.device_args = bytes(ctx) + bytes(256 - ctypes.sizeof(ctx)) + maps
         if self._one_shot:
             return blk.set(cfg=cfg, **params)

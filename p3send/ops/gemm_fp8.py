@@ -1,6 +1,7 @@
 """``GroupedGemmFp8Send``: the MoE down-projection as DeepSeek-V3 serves it, an FP8
 block-scaled grouped GEMM for Hopper (sm_90a) with p3send's peer send in its epilogue
-(``ptx/p3_gemm_fp8_send.ptx``).
+(``ptx/p3_gemm_fp8_send_wide.ptx`` for 128-row tiles, ``ptx/p3_gemm_fp8_send.ptx`` for 64-row
+ones and the linked route: the same parameters, C and receive bytes).
 
     gemm = GroupedGemmFp8Send(n_experts)
     gemm(cfg, a, sa, b, sb, expert_offsets, c=c)                               # plain GEMM (send off): C
@@ -32,6 +33,8 @@ from .quant import FP8_DTYPES, check_rows_array, check_scales
 ENTRY = "p3_gemm_fp8_send"
 THREADS = 384
 SMEM = 201956            # the kernel's dynamic shared memory (its PTX header, LAUNCH)
+#: the 512-thread kernel launched for 128-row tiles inlined: entry, threads, dynamic shared memory
+WIDE = ("p3_gemm_fp8_send_wide", 512, 202004)
 BN, BK = 128, 128        # output columns per tile, K per pipeline stage (one scale block each)
 MAX_EXPERTS = 128
 LINK_MAX_REGISTERS = 168  # 65536 / 384 threads, rounded down to 8
@@ -47,14 +50,21 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
     linked: link the kernel with ``p3_send_rows.ptx`` through the driver's linker (the route
     of docs/EMBEDDING.md (c)) instead of one module with the calls inlined (the default).
     num_sms: the persistent grid (default: every SM). variant_ptx: the text of a measurement
-    variant of the kernel (tools/build_gemm_fp8.py --variant), loaded instead of the shipped one."""
+    variant of the kernel (tools/build_gemm_fp8.py --variant), loaded instead of the shipped one.
+    wide: launch ``p3_gemm_fp8_send_wide`` (512 threads: two accumulator sets per consumer, four
+    send warps in a warpgroup of their own; the same C and receive bytes) for 128-row tiles,
+    ``p3_gemm_fp8_send`` for 64-row ones (default: True unless linked or a variant; docs/PERF.md
+    measures both). variant_shape:
+    the variant's launch shape (threads, dynamic shared memory), default (THREADS, SMEM)."""
 
     ENTRY, THREADS, SMEM, BN, BK, MAX_EXPERTS = ENTRY, THREADS, SMEM, BN, BK, MAX_EXPERTS
-    LINK_MAX_REGISTERS, NEEDS, KIND = LINK_MAX_REGISTERS, "wgmma e4m3", "FP8 "
+    LINK_MAX_REGISTERS, NEEDS, KIND, WIDE = LINK_MAX_REGISTERS, "wgmma e4m3", "FP8 ", WIDE
 
     def __init__(self, n_experts: int, *, device: driver.Device | None = None, linked: bool = False,
-                 num_sms: int | None = None, variant_ptx: str | None = None):
-        super().__init__(n_experts, device=device, linked=linked, num_sms=num_sms, variant_ptx=variant_ptx)
+                 num_sms: int | None = None, variant_ptx: str | None = None, wide: bool | None = None,
+                 variant_shape: tuple | None = None):
+        super().__init__(n_experts, device=device, linked=linked, num_sms=num_sms, variant_ptx=variant_ptx,
+                         wide=wide, variant_shape=variant_shape)
 
     def prepare(self, cfg: P3PeerSendConfig, a, sa, b, sb, expert_offsets, c=None, *, rows: int | None = None,
                 n_cols: int | None = None, k_dim: int | None = None, c_row_stride: int | None = None,
@@ -99,9 +109,9 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                 (numpy ``expert_offsets`` are their own).
             expert_align: with host offsets known, every expert must start at a multiple of
                 this (default 128, DeepGEMM's contiguous layout; 1: any start).
-            into: fill this block (from ``self.k.params_block()``; on the fp8 wire from
-                ``wire_kernel().params_block()``) instead of the launcher's
-                own; each block has its own P3SendCtx and tensor maps on the device, uploaded
+            into: fill this block (from ``params_block()`` of ``self.k`` or of any kernel of
+                the launcher: it is bound to the kernel of ``bm`` and ``wire``, ``kernel_for``)
+                instead of the launcher's own; each block has its own P3SendCtx and tensor maps on the device, uploaded
                 synchronously: do not prepare a block while its launch is in flight (calling
                 the launcher has no such limit: ``GroupedGemmLauncher.__call__``).
             wire: the rows' format on the wire (``abi.wire``): ``"bf16"`` (the default) or

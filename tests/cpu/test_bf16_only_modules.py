@@ -1,7 +1,9 @@
 """The bf16 wire's modules hold no FP8 code: ``ptxdoc.without_fp8`` drops the lines between a
 file's ``// FP8 ONLY {`` / ``// FP8 ONLY }`` markers and makes their ``//BF16`` lines code;
-the grouped GEMMs load ``p3_send_rows.ptx`` that way for their default kernel and whole for
-``wire_kernel()`` (the fp8 wire), and an fp8-wire launch refuses a block of the bf16 kernel."""
+the grouped GEMMs load ``p3_send_rows.ptx`` that way for their bf16-wire kernels and whole for
+the fp8 wire's (``wire_kernel()``); ``prepare`` binds a block to the kernel its wire and tile
+height need, and a launch refuses a block marked for the fp8 wire of a kernel that cannot
+quantise."""
 from __future__ import annotations
 
 import shutil
@@ -60,21 +62,33 @@ def test_both_gemm_modules_assemble(entry, tmp_path):
 
 
 @pytest.mark.parametrize("gemm", sorted(wire_tests.GEMMS))
-def test_the_default_kernel_is_the_bf16_module_and_fp8_refuses_its_block(gpu, gemm):
+def test_the_bf16_wire_modules_hold_no_fp8_code_and_prepare_binds_the_block_to_its_kernel(gpu, gemm):
     n = 512
     g, arrays, sizes = wire_tests.GEMMS[gemm](n)
-    assert g.k.module.text == gemm_mod.module_text(g.ENTRY, bf16_only=True)
-    assert "COPY_FP8" not in g.k.module.text
-    assert g.wire_kernel() is g.wire_kernel() and g.wire_kernel() is not g.k
+    assert g.k is g.kernel_for(64)
+    for k in {g.kernel_for(64), g.kernel_for(128)}:     # the fp8 launcher's two kernels, the bf16 one's one
+        assert k.module.text == gemm_mod.module_text(k.name, bf16_only=True)
+        assert "COPY_FP8" not in k.module.text
+    assert g.wire_kernel() is g.wire_kernel() is g.kernel_for(128, True) and g.wire_kernel() is not g.kernel_for(128)
+    assert g.kernel_for(64, True).module.name == f"{g.ENTRY}.ptx"     # the shipped file, loaded by name
     cfg = wire_tests.send_cfg(wire_msg_bytes(n, "fp8"))
-    with pytest.raises(ConfigError, match=r"into: the fp8 wire needs a block of wire_kernel\(\)"):
-        g.prepare(cfg, *arrays, count_ptrs=[FakeBuffer(8 * 2 * wire_tests.N_RANKS)] * wire_tests.N_RANKS,
-                  p3_control=0, into=g.k.params_block(), **sizes, wire="fp8")
-    blk = g.prepare(cfg, *arrays, count_ptrs=[FakeBuffer(8 * 2 * wire_tests.N_RANKS)] * wire_tests.N_RANKS,
-                    p3_control=0, **sizes, wire="fp8")
-    assert blk.kernel is g.wire_kernel()
+    peers = [FakeBuffer(8 * 2 * wire_tests.N_RANKS)] * wire_tests.N_RANKS
+    # a block of a bf16-wire module given for the fp8 wire is bound to the kernel that quantises
+    blk = g.prepare(cfg, *arrays, count_ptrs=peers, p3_control=0, into=g.k.params_block(), **sizes, wire="fp8")
+    assert blk.kernel is g.kernel_for(128, True) and blk.fp8_wire
+    own = g.prepare(cfg, *arrays, count_ptrs=peers, p3_control=0, **sizes, wire="fp8")
+    assert own.kernel is g.wire_kernel()
     gated = g.prepare(cfg, *arrays, FakeBuffer(2 * wire_tests.ROWS * n), **sizes, p3_control=-1)
-    assert gated.kernel is g.k            # the send off: the bf16 module writes C
+    assert gated.kernel is g.kernel_for(128)          # the send off: a bf16 module writes C
+    gated.fp8_wire = True                             # marked for the fp8 wire, of a module that cannot quantise
+    with pytest.raises(ConfigError, match="not a block of an fp8-wire kernel"):
+        g.launch(None, gated)
+    from tests.cpu.test_fp8_inputs import stand_in_kernel
+    other = stand_in_kernel("p3_scatter_send").params_block()
+    with pytest.raises(ConfigError, match="into: expected a block of .*whose parameters differ"):
+        g.prepare(cfg, *arrays, count_ptrs=peers, p3_control=0, into=other, **sizes, wire="fp8")
+    with pytest.raises(ConfigError, match="block: expected a block prepared by this launcher"):
+        g.launch(None, other)
 
 
 @pytest.mark.parametrize("gemm", sorted(wire_tests.GEMMS))
@@ -86,7 +100,7 @@ def test_launch_and_block_follow_the_last_own_prepare(gpu, gemm):
                     **sizes, wire="fp8")
     assert g.block is fp8 and fp8.kernel is g.wire_kernel()
     bf16 = g.prepare(wire_tests.send_cfg(2 * n), *arrays, count_ptrs=peers, p3_control=0, **sizes)
-    assert g.block is bf16 and bf16.kernel is g.k
+    assert g.block is bf16 and bf16.kernel is g.kernel_for(128)
     # a bf16 launch may use the fp8 module's block (it sends bf16 too); not the other way round
     g.prepare(wire_tests.send_cfg(2 * n), *arrays, count_ptrs=peers, p3_control=0, **sizes,
               into=g.wire_kernel().params_block())

@@ -177,6 +177,7 @@ def stand_in_kernel(entry: str, dev=DEV) -> Kernel:
 @pytest.fixture
 def gpu(monkeypatch):
     g = FakeGPU()
+    g.shapes = []           # (kernel, block, dynamic shared memory) of every launch
     for cls in (FakeStream, FakeEvent, FakeBuffer):
         monkeypatch.setattr(cls, "gpu", g, raising=False)
 
@@ -185,7 +186,8 @@ def gpu(monkeypatch):
         if g.launch_error is not None:
             raise g.launch_error
         g.log.append(("launch", name, stream.handle))
-        if name in ("p3_gemm_fp8_send", "p3_gemm_send"):
+        g.shapes.append((name, tuple(block), smem))
+        if name in ("p3_gemm_fp8_send", "p3_gemm_fp8_send_wide", "p3_gemm_send"):
             tmaps = ctypes.c_uint64.from_address(int(param_addrs[2])).value   # copied at the launch call
             # what the kernel reads when it runs: the address in A's tensor map
             stream.queue.append(lambda: stream.ran.append(struct.unpack("<Q", g.read(tmaps, 8))[0]))
@@ -385,6 +387,28 @@ def test_the_fp8_gemm_takes_deepgemms_tensors(gpu):
     assert g.prepare(P3PeerSendConfig.disabled(), a, sa, b, sb, off, wide).get("c_row_stride").value == 4 * n
 
 
+def test_the_wide_kernel_launches_128_row_tiles_in_its_own_shape(gpu):
+    """128-row tiles launch p3_gemm_fp8_send_wide (512 threads, its shared memory), 64-row
+    ones p3_gemm_fp8_send (384); wide=False (and a linked launcher) launch p3_gemm_fp8_send
+    for both; one block serves either (prepare binds it)."""
+    from p3send.ops import gemm_fp8
+    a, sa, b, sb, off, _ = fp8_buffers(rows=256, k=128, n=128)
+    c = FakeBuffer(2 * 256 * 128)
+    sizes = dict(rows=256, n_cols=128, k_dim=128)
+    g, narrow = GroupedGemmFp8Send(2, device=DEV), GroupedGemmFp8Send(2, device=DEV, wide=False)
+    assert g.wide and not narrow.wide
+    blk = g.k.params_block()
+    s = driver.Stream()
+    for launcher, bm, want in ((g, 128, gemm_fp8.WIDE), (g, 64, (gemm_fp8.ENTRY, 384, gemm_fp8.SMEM)),
+                               (narrow, 128, (gemm_fp8.ENTRY, 384, gemm_fp8.SMEM))):
+        gpu.shapes.clear()
+        launcher.launch(s, launcher.prepare(P3PeerSendConfig.disabled(), a, sa, b, sb, off, c, bm=bm, **sizes,
+                                            into=blk if launcher is g else None))
+        assert gpu.shapes == [(want[0], (want[1],), want[2])], (bm, gpu.shapes)
+    with pytest.raises(ConfigError, match="wide: expected False or None with linked=True"):
+        GroupedGemmFp8Send(2, device=DEV, wide=True, linked=True)
+
+
 # ---------------------------------------------------------------- one set of array helpers
 
 def test_the_array_helpers_are_one_set_in_args():
@@ -435,7 +459,7 @@ def test_a_repeated_call_launches_with_no_upload_and_no_host_wait(gpu):
     gpu.log.clear()
     for _ in range(3):
         call(g, a, rest, s)
-    assert gpu.log == [("launch", "p3_gemm_fp8_send", s.handle)] * 3
+    assert gpu.log == [("launch", "p3_gemm_fp8_send_wide", s.handle)] * 3     # 128-row tiles: the wide kernel
     s.synchronize()
     assert s.ran == [a.ptr] * 4
 

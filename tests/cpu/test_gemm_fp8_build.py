@@ -22,6 +22,7 @@ from tests.cpu.conftest import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PTX = ROOT / "ptx" / "p3_gemm_fp8_send.ptx"
+WIDE = ROOT / "ptx" / "p3_gemm_fp8_send_wide.ptx"
 ROWS = ROOT / "ptx" / "p3_send_rows.ptx"
 TOOL = ROOT / "tools" / "build_gemm_fp8.py"
 
@@ -49,7 +50,8 @@ def test_shipped_ptx_is_the_build_of_its_source():
     tk = _pinned_toolkit()
     r = subprocess.run([sys.executable, str(TOOL), "--check"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "is up to date" in r.stdout, r.stdout
+    assert "ptx/p3_gemm_fp8_send.ptx is up to date" in r.stdout, r.stdout
+    assert "ptx/p3_gemm_fp8_send_wide.ptx is up to date" in r.stdout, r.stdout
     assert f"build_gemm_fp8: using {tk.origin}" in r.stderr, r.stderr   # the same nvcc, and it says so
 
 
@@ -62,6 +64,43 @@ def test_header_target_and_lint():
     assert [p.name for p in params] == ["cfg", "ctx", "tmaps", "sb", "c_ptr", "c_row_stride", "n_cols", "k_dim", "bm"]
     from p3send.ops import gemm_fp8
     assert f"dynamic shared memory {gemm_fp8.SMEM} bytes" in text
+
+
+def test_wide_header_target_and_lint():
+    """The wide kernel: its own header (its launch shape: the launcher's WIDE), the parameters
+    of p3_gemm_fp8_send, and the setmaxnreg split of the .cu's P3F_WIDE (24 for the producer's
+    warpgroup, 88 for the send warps', 200 for each consumer's) within what its 512-thread
+    launch allocates (512 x 128 registers)."""
+    from p3send.ops import gemm_fp8
+    text = WIDE.read_text()
+    entry, threads, smem = gemm_fp8.WIDE
+    assert WIDE.name == f"{entry}.ptx"
+    assert ptxdoc.ptx_target(text) == "sm_90a" and ptxdoc.ptx_version(text) <= ptxlint.MAX_PTX_VERSION
+    assert not ptxlint.file_problems(text, WIDE.name) + ptxlint.lint(text, WIDE.name)
+    assert sorted(ptxdoc.prototypes(text)) == ["p3_send_flush", "p3_send_rows"]
+    narrow = ptxdoc.parse_header(PTX.read_text())["p3_gemm_fp8_send"].params
+    wide = ptxdoc.parse_header(text)[entry].params
+    assert [(p.offset, p.size, p.type, p.name) for p in wide] == [(p.offset, p.size, p.type, p.name) for p in narrow]
+    assert ptxdoc.parse_decls(text)[entry] == ptxdoc.parse_decls(PTX.read_text())["p3_gemm_fp8_send"]
+    assert f"block ({threads}, 1, 1)" in text and f"dynamic shared memory {smem} bytes" in text
+    assert f".maxntid {threads}, 1, 1" in text
+    dec = sorted(int(x) for x in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32 (\d+);", text))
+    inc = [int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+);", text)]
+    assert dec == [24, 88] and inc == [200], (dec, inc)
+    assert 128 * sum(dec) + 2 * 128 * inc[0] <= threads * (65536 // threads // 8 * 8)
+
+
+def test_wide_inlined_module_has_no_stack_spills_or_serialised_wgmma():
+    """ptxas on the loaded module: no stack or spills (the send warps' 88 registers hold
+    p3_send_rows), <= 128 registers (512 threads), setmaxnreg kept (no C7504), no serialised
+    wgmma (C7509 / C7510), no C7514."""
+    log = _assemble(WIDE.read_text())
+    entry = log[log.index("Function properties for p3_gemm_fp8_send_wide"):]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", entry.splitlines()[1]), log
+    rows = log[log.index("Function properties for p3_send_rows"):]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", rows.splitlines()[1]), log
+    assert int(re.search(r"Used (\d+) registers", entry).group(1)) <= 128, log
+    assert not [c for c in ("C7504", "C7509", "C7510", "C7514") if c in log], log
 
 
 def _ptxas():
@@ -189,4 +228,6 @@ def test_p3send_h_constants_match_the_launchers():
     text = (ROOT / "ptx" / "p3send.h").read_text()
     got = {k: v for k, v in re.findall(r"#define (P3_(?:GEMM|QUANT)_FP8_\w+|P3_FP8_BLOCK) (\d+)", text)}
     assert got == {"P3_FP8_BLOCK": str(quant.BLOCK), "P3_QUANT_FP8_THREADS": str(quant.THREADS),
-                   "P3_GEMM_FP8_THREADS": str(gemm_fp8.THREADS), "P3_GEMM_FP8_SMEM": str(gemm_fp8.SMEM)}, got
+                   "P3_GEMM_FP8_THREADS": str(gemm_fp8.THREADS), "P3_GEMM_FP8_SMEM": str(gemm_fp8.SMEM),
+                   "P3_GEMM_FP8_WIDE_THREADS": str(gemm_fp8.WIDE[1]),
+                   "P3_GEMM_FP8_WIDE_SMEM": str(gemm_fp8.WIDE[2])}, got

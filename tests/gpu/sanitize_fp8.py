@@ -1,6 +1,6 @@
 """Small runs of the FP8 kernels for compute-sanitizer (memcheck, racecheck): the quantiser on
 edge blocks, and the FP8 grouped GEMM gated and fused at a reduced shape (both tile heights,
-both layouts, a full and a narrow column tile). Exits non-zero if a result is wrong; the
+both kernels of 128-row tiles, both layouts, a full and a narrow column tile). Exits non-zero if a result is wrong; the
 sanitizer's --error-exitcode reports memory errors and races.
 
     compute-sanitizer --tool memcheck --error-exitcode 99 python -m tests.gpu.sanitize_fp8
@@ -25,10 +25,12 @@ def main() -> int:
     assert np.array_equal(q, want_q) and np.array_equal(s[:, :9].T, want_s.view(np.uint32))
     print("quant ok", flush=True)
     # 384 columns: a 256-column tile (two mainloops, the consumers' turns) and a 128-column last one
-    for i, (family, bm, align) in enumerate((("masked_experts", 128, 128), ("skewed", 64, 1))):
-        prob = Fp8Problem(family, 4242 + i, n_cols=384, k_dim=256, align=align)
+    # 128-row tiles on both kernels (p3_gemm_fp8_send_wide, the default, and p3_gemm_fp8_send)
+    for i, (family, bm, align, wide) in enumerate((("masked_experts", 128, 128, True), ("skewed", 64, 1, None),
+                                                   ("skewed", 128, 1, False))):
+        prob = Fp8Problem(family, 4242 + i, n_cols=384, k_dim=256, align=align, wide=wide)
         gated_then_fused(dev, prob, bm, check_c)
-        print("gemm fp8 ok", prob.case, f"bm={bm}", flush=True)
+        print("gemm fp8 ok", prob.case, f"bm={bm} wide={wide}", flush=True)
     print("sanitize fp8 cases: all results correct")
     return 0
 

@@ -152,7 +152,9 @@ class Fp8Problem:
 
     launcher = GroupedGemmFp8Send
 
-    def __init__(self, family: str, seed: int, n_cols: int, k_dim: int, align: int = 1):
+    def __init__(self, family: str, seed: int, n_cols: int, k_dim: int, align: int = 1, wide: bool | None = None):
+        if wide is not None:      # the kernel of 128-row tiles: p3_gemm_fp8_send_wide (True) or p3_gemm_fp8_send
+            self.launcher = lambda n, **kw: GroupedGemmFp8Send(n, wide=wide, **kw)
         case = send_case(family, seed)
         if align > 1:
             case = fp8.contiguous_send_case(case, align)
@@ -191,40 +193,47 @@ def check_c(prob: Fp8Problem, got: np.ndarray) -> dict:
     return {"max_err_over_bound": float((err / bound[inside]).max()) if err.size else 0.0, "rel_norm": rel}
 
 
+#: (rows per tile, wide): the three kernels-and-tile heights the launcher runs: 128-row tiles on
+#: p3_gemm_fp8_send_wide (the default) and on p3_gemm_fp8_send (wide=False), 64-row ones on
+#: p3_gemm_fp8_send (either way)
+TILES = [(128, True), (128, False), (64, None)]
+TILE_IDS = ["bm128-wide", "bm128-384", "bm64"]
+
+
+@pytest.mark.parametrize("bm,wide", TILES, ids=TILE_IDS)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("align", [1, 128])
-def test_fused_equals_gated_then_scatter_send(hopper, family, align):
-    seed = fresh_seed(f"gemm fp8 {family} align {align}")
+def test_fused_equals_gated_then_scatter_send(hopper, family, align, bm, wide):
+    seed = fresh_seed(f"gemm fp8 {family} align {align} bm {bm} wide {wide}")
     rng = np.random.default_rng(seed)
-    bm = int(rng.choice([64, 128]))
     prob = Fp8Problem(family, seed, n_cols=128 * int(rng.integers(1, 4)), k_dim=128 * int(rng.integers(1, 4)),
-                      align=align)
+                      align=align, wide=wide)
     c = _gated(hopper, prob, bm)
     err = check_c(prob, c)
-    print(f"[fp8 error] {family} align={align} bm={bm}: {err}")
+    print(f"[fp8 error] {family} align={align} bm={bm} wide={wide}: {err}")
     assert_fused_equals_gated_then_scatter_send(hopper, prob, c, bm, rng)
 
 
 @pytest.mark.parametrize("n_cols", [128, 384, 640])
-@pytest.mark.parametrize("bm", [64, 128])
-def test_narrow_last_column_tile(hopper, n_cols, bm):
+@pytest.mark.parametrize("bm,wide", TILES, ids=TILE_IDS)
+def test_narrow_last_column_tile(hopper, n_cols, bm, wide):
     """N an odd multiple of 128: the last tile of each row of 256-column tiles is 128 columns (one
     mainloop, 256-byte send segments) beside full ones; C (its row padding untouched) and the
     fused send exact."""
-    seed = fresh_seed(f"gemm fp8 columns {n_cols} bm {bm}")
+    seed = fresh_seed(f"gemm fp8 columns {n_cols} bm {bm} wide {wide}")
     rng = np.random.default_rng(seed)
-    prob = Fp8Problem("skewed", seed, n_cols=n_cols, k_dim=256, align=128)
+    prob = Fp8Problem("skewed", seed, n_cols=n_cols, k_dim=256, align=128, wide=wide)
     c = _gated(hopper, prob, bm)
     check_c(prob, c)
     assert_fused_equals_gated_then_scatter_send(hopper, prob, c, bm, rng)
 
 
 @pytest.mark.parametrize("rows_per_expert", [(63, 64, 65, 0, 127), (128, 129, 1, 255, 256, 257)])
-@pytest.mark.parametrize("bm", [64, 128])
-def test_tile_edges(hopper, rows_per_expert, bm):
+@pytest.mark.parametrize("bm,wide", TILES, ids=TILE_IDS)
+def test_tile_edges(hopper, rows_per_expert, bm, wide):
     """Experts ending one row before, at and after a tile boundary (both tile heights), packed."""
     seed = fresh_seed("gemm fp8 tile edges")
-    prob = Fp8Problem("random", seed, n_cols=256, k_dim=256)
+    prob = Fp8Problem("random", seed, n_cols=256, k_dim=256, wide=wide)
     rows = tile_edge_routing(prob, rows_per_expert, seed)
     _, prob.qa, prob.sa, prob.qb, prob.sb = fp8.random_fp8_problem(np.random.default_rng(seed + 1), rows,
                                                                     len(rows_per_expert), prob.n_cols, prob.k_dim)
