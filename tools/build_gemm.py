@@ -260,8 +260,8 @@ class GemmBuild(NamedTuple):
                 if not out.exists() or out.read_text() != text:
                     print(f"{out.relative_to(ROOT)} is stale: run python tools/{self.tool}.py")
                     rc = 1
-                    continue
-                print(f"{out.relative_to(ROOT)} is up to date")
+                else:
+                    print(f"{out.relative_to(ROOT)} is up to date")
             else:
                 out.write_text(text)
                 print(f"wrote {out.relative_to(ROOT)} ({len(text)} bytes)")

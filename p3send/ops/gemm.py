@@ -186,6 +186,8 @@ class GroupedGemmLauncher(SendLauncher):
     (what of sm_90a it needs, for the refusal of other GPUs), ``KIND`` (the prefix of its
     messages) and ``WIDE``: None, or (entry, threads, dynamic shared memory) of a second
     kernel with the same parameters that launches instead for 128-row tiles (``wide``).
+    ``threads`` and ``smem`` are ENTRY's launch shape; ``launch`` runs each block in the shape
+    of its own kernel (``kernel_for``: the wide kernel's is ``WIDE``'s).
 
     Two ways to launch: ``prepare`` a block (each block has its device-side arguments in its
     own buffer, uploaded synchronously: not while that block's launch is in flight) and
@@ -229,7 +231,9 @@ class GroupedGemmLauncher(SendLauncher):
         self.n_experts, self.linked = int(n_experts), linked
         self.wide = self.WIDE is not None and not linked and variant_ptx is None if wide is None else bool(wide)
         self._variant = variant_ptx
-        self._variant_shape = variant_shape if variant_ptx is not None else None
+        if variant_shape is not None and variant_ptx is None:
+            raise ConfigError([f"variant_shape: expected None without a variant_ptx, got {variant_shape}"], what)
+        self._variant_shape = variant_shape
         #: (wide, fp8 wire) -> (Kernel, its own ParamBlock, threads, dynamic shared memory)
         self._kernels: dict = {}
         entry = self.ENTRY
@@ -289,8 +293,10 @@ class GroupedGemmLauncher(SendLauncher):
         return self.kernel_for(128, True)
 
     def _entry(self, k: Kernel):
-        """The launcher's (key, (kernel, own block, threads, smem)) of kernel ``k``, or None."""
-        return next(((key, v) for key, v in self._kernels.items() if v[0] is k), None)
+        """The launcher's (key, (kernel, own block, threads, smem)) of kernel ``k``, or None; a
+        linked launcher's one kernel serves both wires: its key is then the fp8 wire's."""
+        found = [(key, v) for key, v in self._kernels.items() if v[0] is k]
+        return max(found, key=lambda kv: kv[0][1]) if found else None
 
     def bind(self, blk: ParamBlock, k: Kernel) -> ParamBlock:
         """Make ``blk`` a block of ``k`` (its parameters' values kept): a block of any kernel

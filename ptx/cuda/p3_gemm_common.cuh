@@ -113,7 +113,9 @@ __device__ __forceinline__ Tile grouped_tile(int t, int n_tiles, int n_experts, 
 // (sm_90 opt-in: 232448).
 //
 // SEND_WARPS_ 3 and THREADS_ 384 by default; with THREADS_ 512 a fourth warpgroup (warps
-// 12..15) holds send warps 3..SEND_WARPS-1 (send_rank: a warp's rank among the send warps, or -1).
+// 12..15) holds send warps 3..SEND_WARPS-1 (send_rank: a warp's rank among the send warps, or -1;
+// a kernel's Layout may derive from this one with a send_rank of its own, as
+// p3_gemm_fp8_send_wide's, whose four send warps are warps 12..15: every use is L::send_rank).
 // BN_MMA_ (BN by default): the columns of one mainloop; with BN = HALVES x BN_MMA a tile's
 // column blocks are computed one after the other (a mainloop each, B stages of BN_MMA rows)
 // into one staged tile of BN columns, which the send warps handle at once.
@@ -150,7 +152,8 @@ __device__ __forceinline__ int tile_halves(const Tile &T, uint32_t n_cols)
 
 // The launch's checks and the CTA's set-up: false (the kernel does nothing) for arguments the
 // launcher refuses before launch; else thread 0 writes the m-tile prefix and initialises the
-// mbarriers, the send warps (warps 1..SEND_WARPS) reset their accounts, and the CTA syncs.
+// mbarriers, the send warps (L::send_rank >= 0; warps 1..SEND_WARPS at 384 threads) reset their
+// accounts, and the CTA syncs (the one CTA-wide barrier: warps with no role may exit after it).
 template <class L>
 __device__ __forceinline__ bool gemm_setup(uint32_t base, int tid, const int *offs, int n_experts, uint32_t n_cols,
                                            uint32_t k_dim, uint32_t bm)

@@ -56,7 +56,8 @@
 // - -DP3F_NO_TURNS: the consumers' k-blocks not in turns.
 // - -DP3F_NO_PROMOTE: the tensor cores accumulate all of K with the last k-block's scales
 //   applied once (wrong unless every scale is equal); the difference in time is the cost of
-//   the promotion.
+//   the promotion. With P3F_DUAL each accumulator set accumulates its own k-blocks and the two
+//   are added at the end.
 // - -DP3F_DUAL: two accumulator sets per consumer warpgroup: k-block kb + 1's wgmmas are issued
 //   into one before k-block kb's are waited for (wgmma.wait_group 1) and promoted from the
 //   other, so a warpgroup's promotion overlaps its own tensor work. 3 x 64 accumulator
@@ -323,12 +324,12 @@ __device__ __forceinline__ void turn_give(int w)
 // with P3F_PINGPONG: warpgroup w waits for turn w, issues, gives the other its turn.
 template <int WN>
 __device__ __forceinline__ void issue(float (&acc)[WN / 2], uint32_t base, uint32_t full, uint32_t s, uint32_t ph,
-                                      uint32_t a_off, uint32_t b_off, int wg)
+                                      uint32_t a_off, uint32_t b_off, int wg, int acc_kb = 0)
 {
 #ifdef P3F_PINGPONG
     turn_wait(wg);
 #endif
-    mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, 0);
+    mma_kblock<Layout, WN>(acc, base, full, s, ph, a_off, b_off, acc_kb);
 #ifdef P3F_PINGPONG
     turn_give(wg ^ 1);
 #endif
@@ -524,6 +525,11 @@ __device__ __forceinline__ void promote(float (&acc)[WN / 2], float (&sum)[WN / 
         mbar_arrive(empty + 8 * s);                 // A, B and the scales of this stage are read
 #endif
     const float s0 = sa0 * sb_k, s1 = sa1 * sb_k;
+#ifdef P3F_NO_PROMOTE
+    sum[0] = s0;                                    // the scales of the last k-block, applied once
+    sum[1] = s1;
+    return;
+#endif
 #pragma unroll
     for (int j = 0; j < WN / 8; ++j) {
         sum[4 * j] = fmaf(acc[4 * j], s0, sum[4 * j]);
@@ -575,12 +581,17 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         };
         issue<WN>(acc, base, full, s, ph, a_off, b_off, wg);
         int kb = 0;
+#ifdef P3F_NO_PROMOTE
+        constexpr int NP = 1;                       // each set accumulates its k-blocks
+#else
+        constexpr int NP = 0;                       // a fresh sum per k-block
+#endif
         for (; kb + 2 < kblocks; kb += 2) {
             next(s, ph);
-            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg);
+            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg, NP * kb);
             promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
             next(s1, ph1);
-            issue<WN>(acc, base, full, s1, ph1, a_off, b_off, wg);
+            issue<WN>(acc, base, full, s1, ph1, a_off, b_off, wg, NP);
             promote<1, WN>(acc2, sum, base, empty, s1 == 0 ? Layout::STAGES - 1 : s1 - 1, sa_row,
                            sbk.take(kb + 1), lane);
             s = s1;
@@ -588,7 +599,7 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         }
         next(s, ph);
         if (kb + 1 < kblocks) {                 // two k-blocks left
-            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg);
+            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg, NP * kb);
             promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
             promote<0, WN>(acc2, sum, base, empty, s1, sa_row, sbk.take(kb + 1), lane);
             next(s1, ph1);
@@ -597,6 +608,19 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         }
         s = s1;
         ph = ph1;
+#ifdef P3F_NO_PROMOTE
+        {
+            const float s0 = sum[0], s1v = sum[1];
+#pragma unroll
+            for (int j = 0; j < WN / 8; ++j) {
+                const bool two = kblocks > 1;       // acc2 holds the odd k-blocks
+                sum[4 * j] = (acc[4 * j] + (two ? acc2[4 * j] : 0.0f)) * s0;
+                sum[4 * j + 1] = (acc[4 * j + 1] + (two ? acc2[4 * j + 1] : 0.0f)) * s0;
+                sum[4 * j + 2] = (acc[4 * j + 2] + (two ? acc2[4 * j + 2] : 0.0f)) * s1v;
+                sum[4 * j + 3] = (acc[4 * j + 3] + (two ? acc2[4 * j + 3] : 0.0f)) * s1v;
+            }
+        }
+#endif
 #ifdef P3F_ELECT
         // the staged tile's address computed afresh: kept through the mainloop, ptxas spilled it
         uint32_t base_now, lane_now;

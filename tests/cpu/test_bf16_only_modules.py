@@ -13,7 +13,7 @@ import pytest
 
 from p3send.abi.errors import ConfigError
 from p3send.abi.wire import wire_msg_bytes
-from p3send.cuda import ptxdoc
+from p3send.cuda import driver, ptxdoc
 from p3send.cuda.loader import ptx_dir
 from p3send.ops import gemm as gemm_mod
 from tests.cpu import test_gemm_wire as wire_tests
@@ -130,4 +130,7 @@ def test_a_linked_launcher_has_one_module_for_both_wires(gpu, gemm, monkeypatch)
     blk = g.prepare(wire_tests.send_cfg(wire_msg_bytes(n, "fp8")), *arrays,
                     count_ptrs=[FakeBuffer(8 * 2 * wire_tests.N_RANKS)] * wire_tests.N_RANKS, p3_control=0,
                     into=g.k.params_block(), **sizes, wire="fp8")
-    assert blk.kernel is g.k
+    assert blk.kernel is g.k and blk.fp8_wire
+    gpu.shapes.clear()
+    g.launch(driver.Stream(), blk)          # the one module quantises: the fp8-wire block launches
+    assert gpu.shapes == [(g.ENTRY, (g.THREADS,), g.SMEM)], gpu.shapes

@@ -389,8 +389,9 @@ def test_the_fp8_gemm_takes_deepgemms_tensors(gpu):
 
 def test_the_wide_kernel_launches_128_row_tiles_in_its_own_shape(gpu):
     """128-row tiles launch p3_gemm_fp8_send_wide (512 threads, its shared memory), 64-row
-    ones p3_gemm_fp8_send (384); wide=False (and a linked launcher) launch p3_gemm_fp8_send
-    for both; one block serves either (prepare binds it)."""
+    ones p3_gemm_fp8_send (384); wide=False launches p3_gemm_fp8_send for both (a linked
+    launcher too: tests/cpu/test_bf16_only_modules.py); one block serves either (prepare
+    binds it); variant_shape needs a variant."""
     from p3send.ops import gemm_fp8
     a, sa, b, sb, off, _ = fp8_buffers(rows=256, k=128, n=128)
     c = FakeBuffer(2 * 256 * 128)
@@ -407,6 +408,8 @@ def test_the_wide_kernel_launches_128_row_tiles_in_its_own_shape(gpu):
         assert gpu.shapes == [(want[0], (want[1],), want[2])], (bm, gpu.shapes)
     with pytest.raises(ConfigError, match="wide: expected False or None with linked=True"):
         GroupedGemmFp8Send(2, device=DEV, wide=True, linked=True)
+    with pytest.raises(ConfigError, match="variant_shape: expected None without a variant_ptx"):
+        GroupedGemmFp8Send(2, device=DEV, variant_shape=(512, 1024))
 
 
 # ---------------------------------------------------------------- one set of array helpers

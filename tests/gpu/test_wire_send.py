@@ -367,7 +367,8 @@ def test_bf16_gemm_fp8_wire(dev, family):
 def test_fp8_gemm_fp8_wire(dev, family):
     _hopper_or_skip(dev)
     from tests.gpu.test_gemm_fp8 import Fp8Problem, check_c
-    for bm, align in ((128, 128), (64, 1)):
-        prob = Fp8Problem(family, fresh_seed(f"fp8 gemm fp8 wire {family} bm={bm}"), n_cols=512, k_dim=256,
-                          align=align)
+    # 128-row tiles on p3_gemm_fp8_send_wide (the default) and on p3_gemm_fp8_send, 64-row ones
+    for bm, align, wide in ((128, 128, None), (128, 128, False), (64, 1, None)):
+        prob = Fp8Problem(family, fresh_seed(f"fp8 gemm fp8 wire {family} bm={bm} wide={wide}"), n_cols=512,
+                          k_dim=256, align=align, wide=wide)
         _gemm_wire_exact(dev, prob, bm, check_c)
