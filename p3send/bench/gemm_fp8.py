@@ -61,7 +61,7 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg
                   "dual_sw": ("dual_sw: two accumulator sets and 7 send warps (setmaxnreg 56/200)", SEND_WG_SHAPE,
                               False),
                   "wide_no_promote": ("wide_no_promote: the wide kernel with the promotion off (wrong numbers)",
-                                      (512, 201956 + 48), False),
+                                      GroupedGemmFp8Send.WIDE[1:], False),
                   "send_wg": ("send_wg: 512 threads (7 send warps)", SEND_WG_SHAPE, False),
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
                   "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),
@@ -327,8 +327,9 @@ def measure_shape(ctx, name: str) -> dict:
         c_ref = c.clone()
         out["kernels"] = {f"bm={b}": gem.kernel_for(b).name for b in (128, 64)}
         for vname, (label, _, _) in {"narrow": (NARROW, None, False), **SHAPE_VARIANTS}.items():
-            vt = variant_text(vname) if vname != "narrow" else ""
-            if vt is None:
+            narrow = vname == "narrow"              # the shipped 384-thread kernel, not a variant
+            vt = None if narrow else variant_text(vname)
+            if vt is None and not narrow:
                 out[vname] = f"skipped: no {VARIANTS_ENV} folder with p3_gemm_fp8_send.{vname}.ptx"
                 continue
             if any(t in label for t in skip):
@@ -336,7 +337,7 @@ def measure_shape(ctx, name: str) -> dict:
                 continue
             # its checks launch it first: a variant that fails or hangs there is named by this line
             print(f"[probe] {name}: {label}", flush=True)
-            gv = variant_gemm(E, dev, vname, vt) if vt else GroupedGemmFp8Send(E, device=dev, wide=False)
+            gv = GroupedGemmFp8Send(E, device=dev, wide=False) if narrow else variant_gemm(E, dev, vname, vt)
             closers.append(gv)
             vb = {f"gated bm={bm0}": gv.prepare(cfgs[0], aq, sa, bw, sb, offsets, c, bm=bm0,
                                                 into=gv.k.params_block(), **common),

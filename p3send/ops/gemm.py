@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -174,6 +175,16 @@ class DeviceArgsCache:
         self.buf.free()
 
 
+class Loaded(NamedTuple):
+    """A kernel a grouped-GEMM launcher loaded: its own block, its launch shape, whether its
+    p3_send_rows quantises (the fp8 wire's module, or a linked launcher's one)."""
+
+    block: ParamBlock
+    threads: int
+    smem: int
+    fp8_wire: bool
+
+
 class GroupedGemmLauncher(SendLauncher):
     """What the grouped-GEMM launchers (``GroupedGemmSend``, ``GroupedGemmFp8Send``) share: the
     kernels loaded (inlined, linked or a variant; inlined, two modules per kernel: one for the
@@ -234,27 +245,27 @@ class GroupedGemmLauncher(SendLauncher):
         if variant_shape is not None and variant_ptx is None:
             raise ConfigError([f"variant_shape: expected None without a variant_ptx, got {variant_shape}"], what)
         self._variant_shape = variant_shape
-        #: (wide, fp8 wire) -> (Kernel, its own ParamBlock, threads, dynamic shared memory)
-        self._kernels: dict = {}
+        self._kernels: dict = {}    # (wide, fp8 wire) -> Kernel
+        self._loaded: dict = {}     # id(Kernel) -> Loaded: its own block, launch shape, wire
         entry = self.ENTRY
         if linked:
             mod = link([(f"{entry}.ptx", module_text(entry, variant_ptx, linked=True)), "p3_send_rows"],
                        device=self.dev, name=f"{entry}+p3_send_rows (linked)", max_registers=self.LINK_MAX_REGISTERS)
             # one module for both wires (it links the shipped p3_send_rows whole)
-            self._kernels[(False, False)] = self._kernels[(False, True)] = self._shaped(mod[entry], False)
+            self._kernels[(False, False)] = self._kernels[(False, True)] = self._register(mod[entry], False, True)
         self.k = self.kernel_for(64)    # the bf16 wire's kernel of 64-row tiles (of every tile without wide)
         if self.wide:
             self.kernel_for(128)        # loaded now, not in the first prepare (a JIT compile: seconds)
         self.state = driver.DeviceBuffer(40 * self.n_experts, fill=0)
         self.diag = driver.DeviceBuffer(16, fill=0)
-        self._own = self._kernels[(False, False)][1]
-        self._last = self._own      # the own block the last prepare filled (launch's default)
+        self._last = self._loaded[id(self.k)].block     # the own block the last prepare filled (launch's default)
         self._dev_args: dict = {}   # id(parameter block) -> its P3SendCtx and tensor maps on the device
         self.device_args: DeviceArgsCache | None = None    # __call__'s, made on its first launch
         self._one_shot = False      # prepare() inside __call__: the upload is left to the launch
 
-    def _shaped(self, k: Kernel, wide: bool) -> tuple:
-        """(k, its own block, threads, shared memory), with k's shared memory allowed."""
+    def _register(self, k: Kernel, wide: bool, fp8_wire: bool) -> Kernel:
+        """Record k (its own block, its launch shape: WIDE's or ENTRY's, a variant's
+        ``variant_shape``; whether it quantises) with its shared memory allowed; returns k."""
         _, threads, smem = self.WIDE if wide else (self.ENTRY, self.THREADS, self.SMEM)
         if self._variant_shape is not None:
             threads, smem = self._variant_shape
@@ -262,7 +273,8 @@ class GroupedGemmLauncher(SendLauncher):
             raise P3SendError(f"{k.name} needs {smem} B of shared memory per block; {self.dev.name} allows "
                               f"{self.dev.smem_optin}")
         driver.set_max_dynamic_smem(k.func, smem)
-        return k, k.params_block(), threads, smem
+        self._loaded[id(k)] = Loaded(k.params_block(), threads, smem, fp8_wire)
+        return k
 
     def kernel_for(self, bm: int, fp8_wire: bool = False) -> Kernel:
         """The kernel a launch of ``bm``-row tiles on the fp8 (``fp8_wire``) or bf16 wire runs:
@@ -279,8 +291,8 @@ class GroupedGemmLauncher(SendLauncher):
             else:
                 k = load(module_text(entry, self._variant, bf16_only=True), device=self.dev,
                          name=f"{kind} (bf16 wire)")[entry]
-            got = self._kernels[key] = self._shaped(k, key[0])
-        return got[0]
+            got = self._kernels[key] = self._register(k, key[0], key[1])
+        return got
 
     def wire_kernel(self) -> Kernel:
         """The kernel of an fp8-wire launch of 128-row tiles: a module with the shipped
@@ -291,12 +303,6 @@ class GroupedGemmLauncher(SendLauncher):
         ``prepare(..., wire="fp8", into=...)`` may come from any of the launcher's kernels."""
         self.kernel_for(64, True)
         return self.kernel_for(128, True)
-
-    def _entry(self, k: Kernel):
-        """The launcher's (key, (kernel, own block, threads, smem)) of kernel ``k``, or None; a
-        linked launcher's one kernel serves both wires: its key is then the fp8 wire's."""
-        found = [(key, v) for key, v in self._kernels.items() if v[0] is k]
-        return max(found, key=lambda kv: kv[0][1]) if found else None
 
     def bind(self, blk: ParamBlock, k: Kernel) -> ParamBlock:
         """Make ``blk`` a block of ``k`` (its parameters' values kept): a block of any kernel
@@ -330,16 +336,15 @@ class GroupedGemmLauncher(SendLauncher):
                 the fp8 wire whose kernel's p3_send_rows does not quantise.
         """
         blk = block or self._last
-        found = self._entry(blk.kernel)
+        got = self._loaded.get(id(blk.kernel))
         what = f"{self.KIND}grouped-GEMM launch"
-        if found is None:
+        if got is None:
             raise ConfigError([f"block: expected a block prepared by this launcher, got one of {blk.kernel.name} "
                                f"that it did not load"], what)
-        if getattr(blk, "fp8_wire", False) and not found[0][1]:
+        if getattr(blk, "fp8_wire", False) and not got.fp8_wire:
             raise ConfigError(["block: prepared for the fp8 wire, but not a block of an fp8-wire kernel "
                                "(wire_kernel(): its p3_send_rows quantises; this one would send bf16 rows)"], what)
-        _, _, threads, smem = found[1]
-        blk.launch((self.grid,), (threads,), stream, smem)
+        blk.launch((self.grid,), (got.threads,), stream, got.smem)
 
     def check_weights(self, name: str, shape: tuple, n_cols, k_dim, k_of: str, problems: list):
         """The weights' shape (E, N, K), once known to be one: E must be ``n_experts`` and K, when
@@ -526,7 +531,7 @@ class GroupedGemmLauncher(SendLauncher):
         fp8 = bool(sargs.flags & FLAG_WIRE_FP8) and ctx.p3_control >= 0
         k = self.kernel_for(int(params["bm"]), fp8)
         if into is None:
-            blk = self._last = self._entry(k)[1][1]     # the launcher's own block of k: launch's default
+            blk = self._last = self._loaded[id(k)].block    # the launcher's own block of k: launch's default
         else:
             blk = self.bind(into, k)
         blk.fp8_wire = fp8                                  # launch checks it

@@ -73,6 +73,8 @@
 // - -DP3F_SEND_WG3: 512 threads, the send warps are the four of a fourth warpgroup (warps
 //   12..15) with registers of their own (P3F_REGS_WG3), warps 1..3 exit after the set-up and the
 //   producer's warpgroup keeps P3F_REGS_PRODUCER (24: one thread issuing copies).
+// - -DP3F_WIDE_BODY: the wide kernel's macros above under p3_gemm_fp8_send's name (-DP3F_WIDE
+//   is this and the name p3_gemm_fp8_send_wide), for variants of the wide kernel.
 // - -DP3F_ELECT: no register holds the lane through the mainloops (an elected lane arrives on
 //   the empty barrier, the lane and the staged tile's address read afresh): at 200 registers
 //   per consumer ptxas spilled them otherwise.
@@ -186,7 +188,13 @@
 // ---- end ptx/p3_gemm_fp8_send_wide.ptx header ----
 #include "p3_gemm_common.cuh"                     // and ../p3send.h
 
-#ifdef P3F_WIDE                                   // the shipped wide kernel (above)
+#ifdef P3F_WIDE                                   // the shipped wide kernel (above) ...
+#define P3F_WIDE_BODY
+#define P3F_ENTRY p3_gemm_fp8_send_wide
+#else
+#define P3F_ENTRY p3_gemm_fp8_send
+#endif
+#ifdef P3F_WIDE_BODY                              // ... its structure (variants: under ENTRY's name)
 #define P3F_DUAL
 #define P3F_NO_TURNS
 #define P3F_SEND_WG3
@@ -194,9 +202,6 @@
 #define P3F_REGS_PRODUCER 24
 #define P3F_REGS_WG3 88
 #define P3F_REGS_CONSUMER 200
-#define P3F_ENTRY p3_gemm_fp8_send_wide
-#else
-#define P3F_ENTRY p3_gemm_fp8_send
 #endif
 #define P3F_STR2(x) #x
 #define P3F_STR(x) P3F_STR2(x)
