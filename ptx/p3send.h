@@ -136,6 +136,7 @@ static inline P3PeerSendConfig p3_config_disabled(void)
 #define P3_FLAG_WIRE_FP8 16   /* quantise the bf16 rows to the FP8 wire on the way out (below) */
 #define P3_FLAG_NVSHMEM 32    /* ranks outside this NVLink domain by NVSHMEM puts (P3NvshmemBlock, below) */
 #define P3_FLAG_NVSHMEM_ALL 64 /* with P3_FLAG_NVSHMEM: every rank by puts, this one too */
+#define P3_FLAG_WIRE_FP8_STAGED 128 /* with P3_FLAG_WIRE_FP8: the tile holds the wire's rows already (below) */
 #define P3_SEND_CTX_SIZE 104
 #define P3_SEND_ACCT_SIZE 48
 
@@ -279,7 +280,12 @@ extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3Se
  * the GEMM epilogues) or in the flags of p3_scatter_send_fp8 (p3_scatter_send's parameters;
  * p3_scatter_send itself refuses the flag: diag[2], nothing written). Receiver: the
  * entry loaded, P3_RECV_ENTRY_BF16 or P3_RECV_ENTRY_FP8 (the same parameter table; the
- * FP8 entry reads hidden = 32*msg_bytes/33 columns and writes bf16 [n_tokens, hidden]). */
+ * FP8 entry reads hidden = 32*msg_bytes/33 columns and writes bf16 [n_tokens, hidden]).
+ * P3_FLAG_WIRE_FP8_STAGED (with P3_FLAG_WIRE_FP8, in P3SendCtx.flags): the caller of
+ * p3_send_rows has quantised the tile itself (row: seg_bytes/2 codes, then a float32 scale per
+ * 128 columns) and p3_send_rows only copies it. p3_gemm_fp8_send(_wide) reads it too: its
+ * consumers then quantise their fp32 sums (128-row tiles only; at 64 the launch sends nothing
+ * and sets diag[2]). Not for a kernel whose tile is bf16 (p3_gemm_send, p3_epilogue_send). */
 #define P3_WIRE_BF16 0
 #define P3_WIRE_FP8 1
 #define P3_WIRE_FP8_BLOCK 128
@@ -293,6 +299,10 @@ extern "C" __device__ void p3_send_flush(const P3PeerSendConfig *cfg, const P3Se
 P3_STATIC_ASSERT((P3_FLAG_WIRE_FP8 & (P3_FLAG_ROW_CACHE | P3_FLAG_SIGNAL | P3_FLAG_SCOPE_GPU | P3_FLAG_TILE)) == 0,
                  "P3_FLAG_WIRE_FP8 must be a flag bit of its own");
 P3_STATIC_ASSERT(P3_FLAG_WIRE_FP8 < 0x10000, "flags bits 16..31 are p3_scatter_send's stamp/trace slots");
+P3_STATIC_ASSERT(P3_FLAG_WIRE_FP8_STAGED < 0x10000 &&
+                 (P3_FLAG_WIRE_FP8_STAGED & (P3_FLAG_ROW_CACHE | P3_FLAG_SIGNAL | P3_FLAG_SCOPE_GPU | P3_FLAG_TILE |
+                                             P3_FLAG_WIRE_FP8 | P3_FLAG_NVSHMEM | P3_FLAG_NVSHMEM_ALL)) == 0,
+                 "P3_FLAG_WIRE_FP8_STAGED must be a flag bit of its own below the slot bits");
 P3_STATIC_ASSERT(P3_WIRE_FP8_MSG_BYTES(7168) == 7392, "the FP8 row of DeepSeek-V3's hidden size is 7,392 bytes");
 P3_STATIC_ASSERT(P3_WIRE_FP8_MSG_BYTES(P3_WIRE_FP8_HIDDEN_MULTIPLE) % 16 == 0,
                  "an FP8 row of a multiple of 512 columns is whole 16-byte vectors");

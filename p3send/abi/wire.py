@@ -20,6 +20,12 @@ The senders learn the format from a flag bit, ``FLAG_WIRE_FP8`` (``P3_FLAG_WIRE_
 does not set it keeps the bf16 wire. The receiver learns it from the entry a launcher
 loads (``RECV_ENTRY``): ``p3_recv_reduce`` (bf16) or ``p3_recv_reduce_fp8`` (the same
 parameters, ``hidden = 32 * msg_bytes / 33``).
+
+Where the rounding happens: ``p3_scatter_send_fp8``, ``p3_epilogue_send`` and the BF16 GEMM
+quantise bf16 rows (the wire bytes are ``oracle.wire.encode`` of them, bit for bit). The FP8
+GEMM at 128-row tiles quantises its fp32 sums in its consumers (``FLAG_WIRE_FP8_STAGED``:
+the tile it hands ``p3_send_rows`` holds the wire's row already): one rounding, to e4m3,
+instead of bf16 then e4m3; ``GroupedGemmFp8Send.prepare(fp8_source="bf16")`` keeps the other.
 """
 from __future__ import annotations
 
@@ -31,6 +37,9 @@ WIRE_BF16 = 0
 WIRE_FP8 = 1
 WIRE_FORMATS = {"bf16": WIRE_BF16, "fp8": WIRE_FP8}
 FLAG_WIRE_FP8 = 16
+#: with FLAG_WIRE_FP8: the tile handed to p3_send_rows holds the wire's rows already (codes, then
+#: scales); set by the FP8 GEMM's launcher for its consumers' quantiser (P3_FLAG_WIRE_FP8_STAGED)
+FLAG_WIRE_FP8_STAGED = 128
 FP8_BLOCK = 128
 FP8_HIDDEN_MULTIPLE = 512
 #: The receive kernel of each format (same parameter table; ptx/p3_recv_reduce*.ptx).

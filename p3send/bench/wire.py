@@ -244,7 +244,10 @@ def fused_gemm(ctx) -> dict:
         a8 = (aq, sa, bw, sbw, offsets)
         k8 = dict(expert_offsets_host=off, bm=128)
         plans = [("FP8 GEMM", gem8, a8, k8), ("BF16 GEMM", gem16, (x, wb, offsets), b16)]
-        narrow = GroupedGemmFp8Send(E, device=dev, wide=False)     # the 384-thread kernel at 128-row tiles
+        # the default's send warps quantising the staged bf16 tile (fp8_source="bf16", what the
+        # consumers' quantiser replaced), and the 384-thread kernel at 128-row tiles
+        plans.append((BF16_SOURCE, gem8, a8, dict(k8, fp8_source="bf16")))
+        narrow = GroupedGemmFp8Send(E, device=dev, wide=False)
         closers.append(narrow)
         plans.append(("FP8 GEMM 384 threads", narrow, a8, k8))
         for vname in WIRE_GEMM_VARIANTS:           # measurement variants of the FP8 GEMM, when built
@@ -272,7 +275,9 @@ def fused_gemm(ctx) -> dict:
                 fns[f"{label} {tag}"] = lambda i, g=g, b=blk: g.launch(s, b)
         s.synchronize()
         same_as_shipped = {k: all(np.array_equal(x_, y_) for x_, y_ in zip(v, wire_bytes["FP8 GEMM"]))
-                           for k, v in wire_bytes.items() if k != "FP8 GEMM"}
+                           for k, v in wire_bytes.items() if k not in ("FP8 GEMM", BF16_SOURCE)}
+        # the default's wire (of the fp32 sums) against the send warps' (of their bf16 rounding, C)
+        requant = [slots_requantised(x_, y_, N, m8) for x_, y_ in zip(wire_bytes["FP8 GEMM"], wire_bytes[BF16_SOURCE])]
         wire_bytes.clear()
         for k in [k for k, ok in same_as_shipped.items() if not ok]:   # other bytes: reported, not timed
             for tag in ("gated", "fused bf16-wire", "fused fp8-wire"):
@@ -296,9 +301,30 @@ def fused_gemm(ctx) -> dict:
     sent = {"gated": 0, "fused bf16-wire": rows * 2 * N, "fused fp8-wire": rows * m8}
     res = {"rows": rows, "n": N, "k": K, "experts": E, "times": times, "ratios": ratios,
            "bytes": {f"{label} {tag}": b for label in labels for tag, b in sent.items() if b}}
-    if same_as_shipped:
-        res["checks"] = {f"{k}: fp8-wire slots equal the shipped kernel's": v for k, v in same_as_shipped.items()}
+    res["checks"] = {f"{k}: fp8-wire slots equal the shipped kernel's": v for k, v in same_as_shipped.items()}
+    res["checks"]["FP8 GEMM: fp8-wire slots (of the fp32 sums) requantised of the send warps' (of C)"] = \
+        all(r is None for r in requant)
+    if any(r is not None for r in requant):
+        res["checks"]["requantised: first difference"] = next(r for r in requant if r is not None)
     return res
+
+
+#: the default FP8 GEMM quantising in its send warps (fp8_source="bf16"), a contender of the fused part
+BF16_SOURCE = "FP8 GEMM send-warp quantiser"
+
+
+def slots_requantised(got: np.ndarray, want: np.ndarray, hidden: int, msg_bytes: int) -> str | None:
+    """``oracle.wire.requantised`` over two receive buffers of FP8-wire slots (each's owned
+    slots: not all sentinel), and the same slots owned in both; None when so."""
+    from ..oracle import wire as wire_ref
+    n = len(got) // msg_bytes
+    g, w = got[:n * msg_bytes].reshape(n, msg_bytes), want[:n * msg_bytes].reshape(n, msg_bytes)
+    og, ow = ~(g == SENTINEL).all(axis=1), ~(w == SENTINEL).all(axis=1)
+    if not np.array_equal(og, ow):
+        return f"slots owned in one buffer only: {np.flatnonzero(og != ow)[:8].tolist()}"
+    if not np.array_equal(got[n * msg_bytes:], want[n * msg_bytes:]):
+        return "bytes past the slots differ"
+    return wire_ref.requantised(g[og], w[ow], hidden)
 
 
 #: Measurement variants of the FP8 GEMM (tools/build_gemm_fp8.py --variant) timed in the fused

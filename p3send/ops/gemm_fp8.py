@@ -24,6 +24,7 @@ import numpy as np
 
 from ..abi.config import P3PeerSendConfig
 from ..abi.errors import ConfigError
+from ..abi.wire import FLAG_WIRE_FP8, FLAG_WIRE_FP8_STAGED
 from ..cuda import driver
 from ..cuda.loader import ParamBlock
 from .args import aligned, array_arg, array_layout, check_rows_fit, span
@@ -70,7 +71,7 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                 n_cols: int | None = None, k_dim: int | None = None, c_row_stride: int | None = None,
                 bm: int | None = None, count_ptrs=None, row_cache: bool = False, p3_control: int = -1,
                 same_gpu: bool = False, expert_offsets_host=None, expert_align: int = CONTIGUOUS_ALIGN,
-                into: ParamBlock | None = None, wire: str = "bf16") -> ParamBlock:
+                into: ParamBlock | None = None, wire: str = "bf16", fp8_source: str | None = None) -> ParamBlock:
         """Check every argument (all problems at once, each naming its argument) and fill the
         parameter block (no launch).
 
@@ -116,8 +117,13 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                 the launcher has no such limit: ``GroupedGemmLauncher.__call__``).
             wire: the rows' format on the wire (``abi.wire``): ``"bf16"`` (the default) or
                 ``"fp8"`` (n_cols a multiple of 512; the launch's flags carry ``FLAG_WIRE_FP8``
-                and ``p3_send_rows`` sends each staged bf16 row as e4m3 codes and block scales:
-                the kernel is the same). Read only with the send on.
+                and the rows go out as e4m3 codes and block scales: the kernel is the same).
+                Read only with the send on.
+            fp8_source: on the fp8 wire, what is quantised: ``"fp32"`` (the default at
+                128-row tiles: the consumers quantise their fp32 sums, one rounding, and the
+                send warps copy; ``FLAG_WIRE_FP8_STAGED``) or ``"bf16"`` (the default at 64-row
+                tiles, the only one there: ``p3_send_rows`` quantises the staged bf16 tile, so
+                the wire bytes are ``oracle.wire.encode`` of the C the gated GEMM writes).
 
         Returns:
             The filled ParamBlock.
@@ -167,8 +173,15 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
                                     f"{int(bad[0])} at row {int(off[bad[0]])}")
         c_addr, stride = self.check_c(c, c_row_stride, rows, n_cols, send, problems)
         bm = self.tile_rows(bm, host, problems)
+        if fp8_source not in (None, "fp32", "bf16"):
+            problems.append(f"fp8_source: expected 'fp32' or 'bf16', got {fp8_source!r}")
+        elif fp8_source == "fp32" and bm != 128:
+            problems.append(f"fp8_source: 'fp32' needs 128-row tiles (a row's 128 columns in one warpgroup), "
+                            f"got bm {bm}")
         if problems:
             raise ConfigError(problems, "FP8 grouped-GEMM launch")
+        if send and sargs.flags & FLAG_WIRE_FP8 and (fp8_source or ("fp32" if bm == 128 else "bf16")) == "fp32":
+            sargs.flags |= FLAG_WIRE_FP8_STAGED
         kb = k_dim // BK
         # the scales' map spans each column's padded rows (m_pad = sa_col / 4), as DeepGEMM's does:
         # the padding is read only for tile rows past the input, which are never written; its

@@ -140,10 +140,17 @@ def quantize(x_bf16_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     row-major; ``scales_to_mn_major`` gives the kernel's layout). Every operation is the
     float32 one, rounded to nearest even; the module docstring says what the edge blocks give."""
     bits = np.asarray(x_bf16_bits, dtype=np.uint16)
-    rows, k = bits.shape
+    return quantize_f32((bits.astype(np.uint32) << 16).view(np.float32))
+
+
+def quantize_f32(x_f32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize`` of float32 values ``(rows, K)`` (the FP8 GEMM's consumers quantise their
+    fp32 sums so, with ``FLAG_WIRE_FP8_STAGED``): the same rule and edge blocks."""
+    x = np.asarray(x_f32, dtype=np.float32)
+    rows, k = x.shape
     if k % BLOCK:
         raise ConfigError([f"K: expected a multiple of {BLOCK}, got {k}"], "FP8 quantiser reference")
-    x = (bits.astype(np.uint32) << 16).view(np.float32).reshape(rows, k // BLOCK, BLOCK)
+    x = x.reshape(rows, k // BLOCK, BLOCK)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         nan_block = np.isnan(x).any(axis=2)
         amax = np.where(nan_block, np.float32(0), np.abs(x).max(axis=2, initial=np.float32(0)))

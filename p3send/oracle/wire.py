@@ -1,6 +1,7 @@
 """The numpy reference of the FP8 wire (``p3send.abi.wire``): what a sender writes into a
-slot for a bf16 row, and what a receiver reads back. The quantisation is the FP8 GEMM's
-activation quantiser (``fp8.quantize``), applied to the row's bf16 values."""
+slot for a bf16 row (or, the FP8 GEMM's consumers, for an fp32 one), and what a receiver
+reads back. The quantisation is the FP8 GEMM's activation quantiser (``fp8.quantize``),
+applied to the row's bf16 (or fp32) values."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,13 +15,61 @@ def encode(rows_bf16_bits: np.ndarray) -> np.ndarray:
     """FP8-wire bytes ``(n, msg_bytes)`` uint8 of bf16 rows ``(n, hidden)`` (uint16 bits):
     the e4m3 codes, then the float32 scales (little-endian), per row."""
     bits = np.asarray(rows_bf16_bits, dtype=np.uint16)
-    n, hidden = bits.shape
+    return encode_f32((bits.astype(np.uint32) << 16).view(np.float32))     # fp8.quantize's own widening
+
+
+def encode_f32(rows_f32: np.ndarray) -> np.ndarray:
+    """``encode`` of float32 rows ``(n, hidden)``: what the FP8 GEMM sends when its consumers
+    quantise their fp32 sums (``FLAG_WIRE_FP8_STAGED``)."""
+    x = np.asarray(rows_f32, dtype=np.float32)
+    n, hidden = x.shape
     mb = wire_msg_bytes(hidden, WIRE_FP8, what="FP8 wire reference")
-    q, s = fp8.quantize(bits)
+    q, s = fp8.quantize_f32(x)
     out = np.empty((n, mb), np.uint8)
     out[:, :hidden] = q
     out[:, hidden:] = np.ascontiguousarray(s, dtype="<f4").view(np.uint8).reshape(n, mb - hidden)
     return out
+
+
+#: How far the wire of fp32 values y may be from ``encode`` of bf16(y) (``requantised``): the
+#: bf16 rounding moves each value and each block's amax by at most 2^-8 of itself (half a unit
+#: of bf16's 8 significant bits), so a scale by at most 2^-8 (plus float32's roundings of it)
+#: and a value times its multiplier by at most about 2^-7: less than half of e4m3's narrowest
+#: step (2^-4 of the value in a binade, 2^-9 absolute among the subnormals, where the move is
+#: below 2^-13), so the two round to the same code or to neighbours.
+SCALE_REL = 2.0 ** -8 + 2.0 ** -21
+
+
+def requantised(got: np.ndarray, want: np.ndarray, hidden: int) -> str | None:
+    """Whether FP8-wire rows ``got`` (uint8 ``(n, msg_bytes)``) can be the wire of fp32 values
+    whose bf16 rounding ``want`` is the wire of (``encode``): every code at most one e4m3 step
+    from ``want``'s (sign-magnitude order, -0 = +0), a NaN block's codes all 0x7F in both,
+    each scale within ``SCALE_REL`` of ``want``'s (NaN and +Inf as they are). None when so,
+    else what differs first."""
+    g, w = np.asarray(got, np.uint8), np.asarray(want, np.uint8)
+    mb = wire_msg_bytes(hidden, WIRE_FP8, what="FP8 wire reference")
+    if g.shape != w.shape or g.ndim != 2 or g.shape[1] != mb:
+        return f"shapes {g.shape} and {w.shape}, expected (n, {mb})"
+    gs = np.ascontiguousarray(g[:, hidden:]).view("<f4").astype(np.float64)
+    ws = np.ascontiguousarray(w[:, hidden:]).view("<f4").astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        same = (np.isnan(gs) & np.isnan(ws)) | (gs == ws) | (np.abs(gs - ws) <= SCALE_REL * np.abs(ws))
+    bad = np.argwhere(~same)
+    if len(bad):
+        r, b = bad[0]
+        return f"row {r} block {b}: scale {gs[r, b]!r}, expected {ws[r, b]!r} within {SCALE_REL:.3g}"
+
+    def order(c):
+        m = (c & 0x7F).astype(np.int64)
+        return np.where(c & 0x80, -m, m)
+    dist = np.abs(order(g[:, :hidden]) - order(w[:, :hidden]))
+    nan_blk = np.repeat(np.isnan(ws), fp8.BLOCK, axis=1)
+    bad = np.argwhere(np.where(nan_blk, g[:, :hidden] != fp8.E4M3_NAN, dist > 1))
+    if len(bad):
+        r, c = bad[0]
+        return (f"row {r} column {c}: code {int(g[r, c]):#04x}, expected {int(w[r, c]):#04x} or a neighbour "
+                f"({len(bad)} codes off)")
+    return None
 
 
 def decode(wire: np.ndarray, hidden: int) -> np.ndarray:

@@ -117,7 +117,10 @@
 // column tiles, 256 for a last 128-column one; p3_send_flush right after the warp's last tile
 // of each expert; an expert with no rows is flushed empty by send warp 0 of CTA e % grid):
 // the receive buffers and counts then hold exactly what p3_scatter_send writes from that C,
-// and C is not written.
+// and C is not written. The FP8 wire (FLAG_WIRE_FP8 in ctx.flags): the send warps' p3_send_rows
+// quantises the staged bf16 tile, or, with FLAG_WIRE_FP8_STAGED (128) too, the consumers quantise
+// their fp32 sums into the staged tile (codes, then scales) and p3_send_rows copies it
+// (bm 128 only: with bm 64 the flag makes the launch send nothing and set diag[2]).
 // PARAMS
 //   off  size  type              name          meaning
 //     0   184  P3PeerSendConfig  cfg           the ABI struct, by value (send_mbx ignored); read by the send only
@@ -163,7 +166,8 @@
 // warpgroup 0 24. Four send warps (warpgroup 3: warps 12..15, warp_rank 0..3 of 4, each its own
 // P3SendAcct) handle the staged tiles: send off, 16-byte stores of the valid rows into C; send
 // on, p3_send_rows / p3_send_flush as p3_gemm_fp8_send's send warps do (the receive buffers and
-// counts then hold what p3_scatter_send writes from that C).
+// counts then hold what p3_scatter_send writes from that C), and the FP8 wire as there
+// (FLAG_WIRE_FP8_STAGED: the consumers quantise their fp32 sums).
 // PARAMS
 //   off  size  type              name          meaning
 //     0   184  P3PeerSendConfig  cfg           the ABI struct, by value (send_mbx ignored); read by the send only
@@ -379,12 +383,112 @@ template <int WN> struct ConsumerAt {
     }
 };
 
+// The FP8 wire from the fp32 sums (ctx.flags P3_FLAG_WIRE_FP8_STAGED with the send on; 128-row
+// tiles only): one mainloop's 128 columns are one scale block of the wire, and a consumer thread
+// holds 32 of them for each of its rows r0 and r0 + 8 (wgmma's order: columns 8j + 2(lane%4) +
+// {0, 1}), so a row's amax is its quad's: two shuffles. Then p3_quant_fp8's arithmetic on the
+// fp32 values (one rounding, to e4m3, where quantising the bf16 C is two): amax NaN-propagating
+// (max.NaN, then the unsigned order of |x|'s bits), clamped at 1e-4, scale amax * fl(1/448),
+// multiplier fl(1/amax) * 448, x * multiplier by cvt.rn.satfinite.e4m3x2.f32. Staged as
+// p3_send_rows copies under the flag: row r's codes of mainloop h at byte 128h of its staged row,
+// its scale at 128 * halves + 4h; the send warps then only copy (on this wire they quantised
+// the staged bf16 tile themselves, and bound the fused launch: docs/PERF.md, "The FP8 wire").
+// Without this path in the outline variant: rcp.rn.f32's slow path is a subroutine call, and a
+// call in the outlined consumer is what it exists to avoid (C7509); it refuses the flag.
+#ifdef P3F_OUTLINE
+constexpr bool STAGE_FP8 = false;
+#else
+constexpr bool STAGE_FP8 = true;
+#endif
+
+__device__ __forceinline__ void fp8_block(uint32_t amax_bits, float &mult, float &scale)
+{
+    const float a = fmaxf(__uint_as_float(amax_bits), 1e-4f);   // 1e-4f: 0x38D1B717
+    scale = __fmul_rn(a, __uint_as_float(0x3B124925u));          // fl(1/448)
+    mult = __fmul_rn(__frcp_rn(a), 448.0f);
+    if (amax_bits > 0x7F800000u)                                 // a NaN in the block
+        scale = mult = __uint_as_float(0x7FFFFFFFu);             // x * NaN: every code 0x7F
+}
+
+// max(|a|, |b|) (its sign the xor of theirs: dropped at the end), a NaN if either is one: one
+// instruction where |x|'s bits and an integer max are two
+__device__ __forceinline__ float amax2(float a, float b)
+{
+    float d;
+    asm("max.NaN.xorsign.abs.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+// lo into the low byte (the lower column), hi into the high one
+__device__ __forceinline__ uint16_t e4m3x2(float lo, float hi)
+{
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// stage_tile's FP8-wire twin for WN 128 (the same waits and arrive): v as stage_tile takes it,
+// row_at the thread's row r0 in the staged tile (its byte 0), half and halves as in stage_tile
+// (half -1: the tile's one mainloop).
+__device__ __forceinline__ void stage_tile_fp8(const float (&v)[64], uint32_t row_at, uint32_t lane,
+                                               uint32_t staged, uint32_t freed, uint32_t i, int half, int halves)
+{
+    if (half <= 0)
+        mbar_wait(freed, (i & 1) ^ 1);              // the send warps are done with the previous tile
+    float f0 = amax2(v[0], v[1]), f1 = amax2(v[2], v[3]);
+#pragma unroll
+    for (int j = 1; j < 16; ++j) {
+        f0 = amax2(f0, amax2(v[4 * j], v[4 * j + 1]));
+        f1 = amax2(f1, amax2(v[4 * j + 2], v[4 * j + 3]));
+    }
+    // |amax|'s bits: their unsigned order is the magnitudes' (a NaN above +Inf), for the quad's max
+    uint32_t m0 = __float_as_uint(f0) & 0x7FFFFFFFu, m1 = __float_as_uint(f1) & 0x7FFFFFFFu;
+    m0 = max(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+    m1 = max(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+    m0 = max(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
+    m1 = max(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+    float mu0, sc0, mu1, sc1;
+    fp8_block(m0, mu0, sc0);
+    fp8_block(m1, mu1, sc1);
+    const int h = half < 0 ? 0 : half;
+    const uint32_t at = row_at + 128 * h + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(at + 8 * j),
+                     "h"(e4m3x2(__fmul_rn(v[4 * j], mu0), __fmul_rn(v[4 * j + 1], mu0))) : "memory");
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(at + 8 * Layout::STG_PITCH + 8 * j),
+                     "h"(e4m3x2(__fmul_rn(v[4 * j + 2], mu1), __fmul_rn(v[4 * j + 3], mu1))) : "memory");
+    }
+    if ((lane & 3) == 0) {
+        const uint32_t sat = row_at + 128 * halves + 4 * h;
+        asm volatile("st.shared.f32 [%0], %1;" :: "r"(sat), "f"(sc0) : "memory");
+        asm volatile("st.shared.f32 [%0], %1;" :: "r"(sat + 8 * Layout::STG_PITCH), "f"(sc1) : "memory");
+    }
+    if (half < 0 || half + 1 == halves)
+        mbar_arrive(staged);                        // release: the send warps read the tile next
+}
+
+// A mainloop's sums (of a tile's mainloop h of halves; h -1: its only one) into the staged tile:
+// the FP8 wire's row with fp8 (128-row tiles), else bf16.
+template <int WN>
+__device__ __forceinline__ void stage_sums(const float (&sum)[WN / 2], uint32_t stg, uint32_t lane, uint32_t staged,
+                                           uint32_t freed, uint32_t i, int h, int halves, bool fp8)
+{
+    if constexpr (WN == 128 && STAGE_FP8) {
+        if (fp8) {
+            stage_tile_fp8(sum, stg - 4 * (lane & 3), lane, staged, freed, i, h, halves);
+            return;
+        }
+    }
+    stage_tile<Layout, WN>(sum, stg, staged, freed, i, h, h + 1 == halves);
+}
+
 // A consumer warpgroup: the mainloop of every tile of this CTA with the promotion, then its
 // sums as bf16 into the staged tile (after the send warps have released the previous one).
 template <int WN>
 P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int total, int kblocks,
                                   int n_tiles, int n_experts, const int *offs, int bm, const float *sb,
-                                  int n_col_blocks)
+                                  int n_col_blocks, bool fp8)
 {
     float acc[WN / 2], sum[WN / 2];
     const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
@@ -474,10 +578,10 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
         }
 #endif
 #ifdef P3F_PAIR
-        stage_tile<Layout, WN>(sum, stg, staged, freed, i, h, h + 1 == halves);
+        stage_sums<WN>(sum, stg, lane, staged, freed, i, h, halves, fp8);
         }
 #else
-        stage_tile<Layout, WN>(sum, stg, staged, freed, i);
+        stage_sums<WN>(sum, stg, lane, staged, freed, i, -1, 1, fp8);
 #endif
     }
 #ifdef P3F_PINGPONG
@@ -548,7 +652,7 @@ __device__ __forceinline__ void promote(float (&acc)[WN / 2], float (&sum)[WN / 
 template <int WN>
 __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int total, int kblocks,
                                               int n_tiles, int n_experts, const int *offs, int bm, const float *sb,
-                                              int n_col_blocks)
+                                              int n_col_blocks, bool fp8)
 {
     float acc[WN / 2], acc2[WN / 2], sum[WN / 2];
     // the shared window's base and the lane read afresh: passed in, they stay live across the
@@ -633,13 +737,13 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane_now));
         const uint32_t stg_now = ConsumerAt<WN>(base_now, wg, wq, lane_now).stg;
 #else
-        const uint32_t stg_now = stg;
+        const uint32_t stg_now = stg, lane_now = lane;
 #endif
 #ifdef P3F_PAIR
-        stage_tile<Layout, WN>(sum, stg_now, staged, freed, i, h, h + 1 == halves);
+        stage_sums<WN>(sum, stg_now, lane_now, staged, freed, i, h, halves, fp8);
         }
 #else
-        stage_tile<Layout, WN>(sum, stg_now, staged, freed, i);
+        stage_sums<WN>(sum, stg_now, lane_now, staged, freed, i, -1, 1, fp8);
 #endif
     }
     turns_end(wg, (int)blockIdx.x < total);
@@ -677,6 +781,14 @@ P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, co
     const int *mpre = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
     const int *offs = reinterpret_cast<const int *>(ctx->expert_offsets);
     const int n_experts = (int)ctx->n_experts;
+    // P3_FLAG_WIRE_FP8_STAGED: the consumers quantise their fp32 sums (stage_tile_fp8), for
+    // 128-row tiles only (at 64 a row's 128 columns are two warpgroups'); with 64 nothing is
+    // sent and diag[2] is set, as p3_send_rows refuses (the launcher refuses it first)
+    if ((ctx->flags & P3_FLAG_WIRE_FP8_STAGED) && (bm != 128 || !STAGE_FP8)) {
+        if (tid == 0 && ctx->diag_ptr)
+            reinterpret_cast<volatile uint32_t *>(ctx->diag_ptr)[2] = 1;
+        return;
+    }
     if (!gemm_setup<Layout>(base, tid, offs, n_experts, n_cols, k_dim, bm))
         return;                                     // the launcher refuses these before launch
     // tiles per row of tiles: the last may be narrower (HALVES > 1; n_cols a multiple of BN_MMA)
@@ -723,10 +835,14 @@ P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, co
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(P3F_REGS_CONSUMER));
         const int wg = warp / 4 - 1, wq = warp % 4;
         const int ncb = (int)(n_cols / SBLK);
+        int64_t n_ranks;                            // cfg.n_ranks, as the send warps load it
+        asm("ld.param.s64 %0, [" P3F_STR(P3F_ENTRY) "_param_0+88];" : "=l"(n_ranks));
+        // the consumers quantise their fp32 sums (stage_tile_fp8): the flag and the send on
+        const bool fp8 = (ctx->flags & P3_FLAG_WIRE_FP8_STAGED) && ctx->p3_control >= 0 && n_ranks != 0;
         if (bm == 128)
-            P3F_CONSUMER<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
+            P3F_CONSUMER<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb, fp8);
         else
-            P3F_CONSUMER<64>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
+            P3F_CONSUMER<64>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb, fp8);
     }
 #else
     if (warp == 0) {                                // the producer: one thread issues every copy
@@ -751,10 +867,14 @@ P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, co
     } else {
         const int wg = warp / 4 - 1, wq = warp % 4;
         const int ncb = (int)(n_cols / SBLK);
+        int64_t n_ranks;                            // cfg.n_ranks, as the send warps load it
+        asm("ld.param.s64 %0, [" P3F_STR(P3F_ENTRY) "_param_0+88];" : "=l"(n_ranks));
+        // the consumers quantise their fp32 sums (stage_tile_fp8): the flag and the send on
+        const bool fp8 = (ctx->flags & P3_FLAG_WIRE_FP8_STAGED) && ctx->p3_control >= 0 && n_ranks != 0;
         if (bm == 128)
-            consumer<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
+            consumer<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb, fp8);
         else
-            consumer<64>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb);
+            consumer<64>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb, fp8);
     }
 #endif
 }

@@ -279,12 +279,15 @@ def test_send_acct_ptx_and_c_agree():
 
 
 def test_header_flags_and_sizes_match_the_code():
+    from p3send.abi import wire
     from p3send.ops import send
     defines = {k: int(v) for k, v in re.findall(r"^#define (P3_\w+) (\d+)\b", HEADER.read_text(), flags=re.M)}
     flags = {k[3:]: v for k, v in defines.items() if k.startswith("P3_FLAG_")}
-    assert flags == {n: getattr(send, n) for n in dir(send) if n.startswith("FLAG_")}
+    # the send's flags, and the one only p3_send_rows' callers set (the FP8 GEMM's launcher)
+    assert flags == {**{n: getattr(send, n) for n in dir(send) if n.startswith("FLAG_")},
+                     "FLAG_WIRE_FP8_STAGED": wire.FLAG_WIRE_FP8_STAGED}
     assert flags == {"FLAG_ROW_CACHE": 1, "FLAG_SIGNAL": 2, "FLAG_SCOPE_GPU": 4, "FLAG_TILE": 8, "FLAG_WIRE_FP8": 16,
-                     "FLAG_NVSHMEM": 32, "FLAG_NVSHMEM_ALL": 64}
+                     "FLAG_NVSHMEM": 32, "FLAG_NVSHMEM_ALL": 64, "FLAG_WIRE_FP8_STAGED": 128}
     from p3send.ops import nvshmem
     assert defines["P3_NVSHMEM_BLOCK_SIZE"] == nvshmem.BLOCK_BYTES == 40
     assert (defines["P3_SEND_CTX_SIZE"], defines["P3_SEND_ACCT_SIZE"]) == (

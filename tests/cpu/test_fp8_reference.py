@@ -244,3 +244,35 @@ def test_the_bound_holds_for_a_truncating_14_bit_accumulator_and_catches_a_wrong
     bad = emulate_kernel(qa, wrong, qb[0], sb[0])
     assert (np.abs(bad - ref) > bound).mean() > 0.5
     assert np.linalg.norm(bad - ref) / np.linalg.norm(ref) > 10 * fp8.REL_NORM_LIMIT
+
+
+def test_the_wire_of_fp32_sums_is_requantised_of_their_bf16_wire_and_the_check_can_fail():
+    """oracle.wire.requantised, the bound the GPU tests hold the FP8 GEMM's consumer-quantised
+    wire to: on values over 60 binades with every edge block, encode_f32(y) is within it of
+    encode(bf16(y)) (and equals it where y is a bf16 number), and a code two steps off, a scale
+    off by 2^-7 or a NaN block's code not 0x7F are caught."""
+    from p3send.oracle import wire
+    rng = np.random.default_rng(5)
+    y = rng.standard_normal((96, 1024)).astype(np.float32)
+    y *= np.exp2(rng.uniform(-30, 30, (96, 8, 1))).repeat(128, axis=2).reshape(96, 1024).astype(np.float32)
+    y[0, :128] = 0.0
+    y[1, 5], y[2, 7], y[3, 9] = np.nan, np.inf, -np.inf
+    y[4, :128] *= np.float32(1e-9)                              # under the amax clamp
+    y[5, 3] = np.float32(3e38)                                  # a huge value: 1/amax subnormal
+    b = f32_to_bf16(y)
+    got, want = wire.encode_f32(y), wire.encode(b)
+    assert wire.requantised(got, want, 1024) is None
+    assert (got != want).any()                                  # the one rounding does change codes
+    yb = (b.astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(wire.encode_f32(yb), want)            # bf16 values: the same bytes
+    bad = got.copy()
+    r, c = np.argwhere((got[:, :1024] & 0x7F) < 0x70)[0]
+    bad[r, c] += 2
+    assert "code" in wire.requantised(bad, want, 1024)
+    bad = got.copy()
+    bad[6, 1024:1028] = np.frombuffer(np.float32(np.frombuffer(got[6, 1024:1028].tobytes(), "<f4")[0]
+                                                 * (1 + 2 ** -7)).tobytes(), np.uint8)
+    assert "scale" in wire.requantised(bad, want, 1024)
+    bad = got.copy()
+    bad[1, 0] = 0x00                                            # row 1's first block holds a NaN
+    assert "code" in wire.requantised(bad, want, 1024)

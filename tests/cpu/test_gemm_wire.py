@@ -11,7 +11,7 @@ import pytest
 
 from p3send.abi.config import P3SendCtx, rank_config
 from p3send.abi.errors import ConfigError
-from p3send.abi.wire import FLAG_WIRE_FP8, wire_msg_bytes
+from p3send.abi.wire import FLAG_WIRE_FP8, FLAG_WIRE_FP8_STAGED, wire_msg_bytes
 from p3send.ops.gemm import GroupedGemmSend
 from p3send.ops.gemm_fp8 import GroupedGemmFp8Send
 from tests.cpu import test_fp8_inputs as stand_in
@@ -94,3 +94,28 @@ def test_the_wire_is_not_read_with_the_send_off(gpu):
     c = FakeBuffer(ROWS * 2 * 128)
     blk = g.prepare(send_cfg(2 * 128), *arrays, c, **sizes, wire="fp8")   # p3_control < 0: C is written
     assert blk.get("c_ptr").value == c.ptr
+
+
+def test_the_fp8_gemm_quantises_its_fp32_sums_at_128_row_tiles(gpu):
+    """FLAG_WIRE_FP8_STAGED (the consumers quantise, the send warps copy) on the fp8 wire at
+    128-row tiles by default and with fp8_source="fp32"; not with "bf16", not at 64-row tiles
+    (there the send warps quantise the staged bf16 tile), never on the bf16 wire or for the BF16
+    GEMM; "fp32" at 64 rows and an unknown source are refused naming fp8_source, before any launch."""
+    n = 512
+    cfg8 = send_cfg(wire_msg_bytes(n, "fp8"))
+    g, arrays, sizes = fp8_gemm(n)
+    assert ctx_flags(prepare(g, arrays, sizes, cfg8, wire="fp8", bm=128)) & FLAG_WIRE_FP8_STAGED
+    assert ctx_flags(prepare(g, arrays, sizes, cfg8, wire="fp8", bm=128, fp8_source="fp32")) & FLAG_WIRE_FP8_STAGED
+    got = ctx_flags(prepare(g, arrays, sizes, cfg8, wire="fp8", bm=128, fp8_source="bf16"))
+    assert got & FLAG_WIRE_FP8 and not got & FLAG_WIRE_FP8_STAGED
+    got = ctx_flags(prepare(g, arrays, sizes, cfg8, wire="fp8", bm=64))
+    assert got & FLAG_WIRE_FP8 and not got & FLAG_WIRE_FP8_STAGED
+    assert not ctx_flags(prepare(g, arrays, sizes, send_cfg(2 * n), bm=128)) & FLAG_WIRE_FP8_STAGED
+    gpu.log.clear()
+    with pytest.raises(ConfigError, match=r"fp8_source: 'fp32' needs 128-row tiles .*got bm 64"):
+        prepare(g, arrays, sizes, cfg8, wire="fp8", bm=64, fp8_source="fp32")
+    with pytest.raises(ConfigError, match=r"fp8_source: expected 'fp32' or 'bf16', got 'fp16'"):
+        prepare(g, arrays, sizes, cfg8, wire="fp8", fp8_source="fp16")
+    assert not [e for e in gpu.log if e[0] == "launch"]
+    g16, arrays16, sizes16 = bf16_gemm(n)
+    assert not ctx_flags(prepare(g16, arrays16, sizes16, cfg8, wire="fp8")) & FLAG_WIRE_FP8_STAGED

@@ -18,6 +18,7 @@ from p3send.abi.config import rank_config
 from p3send.cuda import driver
 from p3send.ops.send import EpilogueSend, ScatterSend
 from p3send.oracle import reference as ref
+from p3send.oracle import wire as wire_ref
 from p3send.oracle.cases import SENTINEL
 
 OK, WHY = driver.available()
@@ -61,6 +62,22 @@ class SendRun:
     stamps: np.ndarray | None
     trace: np.ndarray | None
     state: np.ndarray
+
+
+def fp8_requantised(hidden: int, msg_bytes: int):
+    """assert_send_exact's recv_check for the FP8 wire of fp32 values when the oracle's rows are
+    the wire of their bf16 rounding (the FP8 GEMM's consumers quantise its fp32 sums): guards
+    and unowned slots (the oracle's all-sentinel ones) exact, every owned slot
+    ``oracle.wire.requantised`` of the oracle's."""
+    def check(got: np.ndarray, want: np.ndarray) -> str | None:
+        if not (np.array_equal(got[:GUARD], want[:GUARD]) and np.array_equal(got[-GUARD:], want[-GUARD:])):
+            return "a guard byte was written"
+        g, w = got[GUARD:-GUARD].reshape(-1, msg_bytes), want[GUARD:-GUARD].reshape(-1, msg_bytes)
+        owned = ~(w == SENTINEL).all(axis=1)       # a scale is never 0xABABABAB (negative)
+        if not np.array_equal(g[~owned], w[~owned]):
+            return f"unowned slots written: {np.flatnonzero((g[~owned] != SENTINEL).any(axis=1))[:8].tolist()}"
+        return wire_ref.requantised(g[owned], w[owned], hidden)
+    return check
 
 
 def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=False, p3_control=0,
@@ -148,11 +165,18 @@ def run_send(dev, case, *, row_cache=False, signal=True, stamps=False, trace=Fal
                    got_st, got_tr, state)
 
 
-def assert_send_exact(run: SendRun) -> None:
-    """Whole buffers (guards included), counts, row cache, diagnostics and state."""
+def assert_send_exact(run: SendRun, recv_check=None) -> None:
+    """Whole buffers (guards included), counts, row cache, diagnostics and state; each receive
+    buffer equal to the oracle's, or, with ``recv_check(got, want)``, what it returns None for
+    (else its message)."""
     case = run.case
     for p, (got, want) in enumerate(zip(run.recv, run.want_recv)):
-        assert np.array_equal(got, want), f"{case}: peer {p} receive buffer: {first_diff(got, want, case.msg_bytes)}"
+        if recv_check is None:
+            assert np.array_equal(got, want), \
+                f"{case}: peer {p} receive buffer: {first_diff(got, want, case.msg_bytes)}"
+        else:
+            msg = recv_check(got, want)
+            assert msg is None, f"{case}: peer {p} receive buffer: {msg}"
     for p, (got, want) in enumerate(zip(run.counts, run.want_counts)):
         assert np.array_equal(got, want), f"{case}: peer {p} counts: got {got.tolist()}, want {want.tolist()}"
     if run.want_cache is not None:

@@ -1,6 +1,7 @@
 """Small runs of the FP8 kernels for compute-sanitizer (memcheck, racecheck): the quantiser on
 edge blocks, and the FP8 grouped GEMM gated and fused at a reduced shape (both tile heights,
-both kernels of 128-row tiles, both layouts, a full and a narrow column tile). Exits non-zero if a result is wrong; the
+both kernels of 128-row tiles, both layouts, a full and a narrow column tile; on the FP8 wire
+from the consumers' quantiser). Exits non-zero if a result is wrong; the
 sanitizer's --error-exitcode reports memory errors and races.
 
     compute-sanitizer --tool memcheck --error-exitcode 99 python -m tests.gpu.sanitize_fp8
@@ -31,6 +32,13 @@ def main() -> int:
         prob = Fp8Problem(family, 4242 + i, n_cols=384, k_dim=256, align=align, wide=wide)
         gated_then_fused(dev, prob, bm, check_c)
         print("gemm fp8 ok", prob.case, f"bm={bm} wide={wide}", flush=True)
+    # the fused GEMM on the FP8 wire, its consumers quantising the fp32 sums (both kernels of
+    # 128-row tiles): the slots within oracle.wire.requantised of the gated C's wire
+    from tests.gpu.test_wire_send import gemm_fp8_wire_check
+    for i, wide in enumerate((True, False)):
+        prob = Fp8Problem("masked_experts", 4300 + i, n_cols=512, k_dim=256, align=128, wide=wide)
+        gemm_fp8_wire_check(dev, prob, 128, check_c, fp8_source="fp32")
+        print("gemm fp8 wire from fp32 ok", prob.case, f"wide={wide}", flush=True)
     print("sanitize fp8 cases: all results correct")
     return 0
 

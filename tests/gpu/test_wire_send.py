@@ -21,7 +21,8 @@ from p3send.ops.send import EpilogueSend, ScatterSend
 from p3send.oracle import wire as wire_ref
 from p3send.oracle.cases import send_case
 from p3send.oracle.reference import f32_to_bf16
-from tests.gpu.conftest import GUARD, assert_send_exact, fresh_seed, run_send
+from p3send.oracle import fp8
+from tests.gpu.conftest import GUARD, assert_send_exact, fp8_requantised, fresh_seed, run_send
 
 DATA = Path(__file__).parent / "data"
 ROUTING = ("random", "zero_rows", "one_row", "masked_experts", "modulo", "bad_src_info", "unrouted",
@@ -312,8 +313,8 @@ class WireFusedSender:
     not written with the send on), launched twice (the state resets itself), as
     run_send's sender."""
 
-    def __init__(self, dev, prob, bm: int):
-        self.prob, self.bm = prob, bm
+    def __init__(self, dev, prob, bm: int, **kw):
+        self.prob, self.bm, self.kw = prob, bm, kw
         self.g = prob.launcher(prob.case.n_experts, device=dev)
         self.grid, self.state = self.g.grid, self.g.state
         self.bufs = prob.upload()
@@ -322,7 +323,7 @@ class WireFusedSender:
     def __call__(self, cfg, c, case, *, stream, count_ptrs, row_cache, p3_control):
         for _ in range(2):
             self.prob.call(self.g, cfg, self.bufs, self.c, bm=self.bm, count_ptrs=count_ptrs, row_cache=row_cache,
-                           p3_control=p3_control, stream=stream, wire="fp8")
+                           p3_control=p3_control, stream=stream, wire="fp8", **self.kw)
             driver.device().synchronize()
 
     def diagnostics(self):
@@ -335,17 +336,28 @@ class WireFusedSender:
             b.free()
 
 
-def _gemm_wire_exact(dev, prob, bm: int, check_c) -> None:
-    """The gated GEMM's bf16 C passes ``check_c`` (within its bound of the numpy reference), and
-    the fused GEMM on the FP8 wire sends oracle.wire.encode of that C (exact: the GEMM stages C
-    as bf16 and the send quantises that tile)."""
+def gemm_fp8_wire_check(dev, prob, bm: int, check_c, fp8_source: str | None = "bf16",
+                        exact: bool | None = None) -> None:
+    """The gated GEMM's bf16 C passes ``check_c`` (within its bound of the numpy reference; None:
+    not checked), and the fused GEMM on the FP8 wire sends oracle.wire.encode of that C: exact
+    with ``fp8_source`` "bf16" (the GEMM stages C as bf16 and the send quantises that tile),
+    with "fp32" (the FP8 GEMM's consumers quantise their fp32 sums, of which C is the bf16
+    rounding) within ``oracle.wire.requantised`` of it (``exact``: exact anyway)."""
     from tests.gpu.gemm_common import gated
     c = gated(dev, prob, bm)
-    check_c(prob, c)
+    if check_c is not None:
+        check_c(prob, c)
     bits = np.ascontiguousarray(c[:, :2 * prob.n_cols]).view(np.uint16)
     prob.case.c = wire_ref.encode(bits)
     prob.case.msg_bytes = wire_msg_bytes(prob.n_cols, "fp8")
-    assert_send_exact(run_send(dev, prob.case, sender_factory=lambda cs: WireFusedSender(dev, prob, bm)))
+    kw = {} if fp8_source is None else {"fp8_source": fp8_source}
+    run = run_send(dev, prob.case, sender_factory=lambda cs: WireFusedSender(dev, prob, bm, **kw))
+    if exact is None:
+        exact = fp8_source == "bf16" or (fp8_source is None and bm == 64)
+    assert_send_exact(run, None if exact else fp8_requantised(prob.n_cols, prob.case.msg_bytes))
+    if not exact:   # how many codes the one rounding changed (printed: pytest -s)
+        print(f"[fp8 wire from fp32] {prob.case}: bytes differing from the bf16 C's wire "
+              f"{sum(int((g != w).sum()) for g, w in zip(run.recv, run.want_recv))}")
 
 
 def _hopper_or_skip(dev):
@@ -360,15 +372,72 @@ def test_bf16_gemm_fp8_wire(dev, family):
     for bm in (128, 64):
         prob = GemmProblem(family, fresh_seed(f"bf16 gemm fp8 wire {family} bm={bm}"), n_cols=512 * (1 + bm % 3),
                            k_dim=128)
-        _gemm_wire_exact(dev, prob, bm, check_c)
+        gemm_fp8_wire_check(dev, prob, bm, check_c, fp8_source=None)
 
 
 @pytest.mark.parametrize("family", ["random", "masked_experts", "bad_src_info", "modulo", "one_row"])
 def test_fp8_gemm_fp8_wire(dev, family):
     _hopper_or_skip(dev)
     from tests.gpu.test_gemm_fp8 import Fp8Problem, check_c
-    # 128-row tiles on p3_gemm_fp8_send_wide (the default) and on p3_gemm_fp8_send, 64-row ones
-    for bm, align, wide in ((128, 128, None), (128, 128, False), (64, 1, None)):
-        prob = Fp8Problem(family, fresh_seed(f"fp8 gemm fp8 wire {family} bm={bm} wide={wide}"), n_cols=512,
-                          k_dim=256, align=align, wide=wide)
-        _gemm_wire_exact(dev, prob, bm, check_c)
+    # 128-row tiles on p3_gemm_fp8_send_wide (the default) and on p3_gemm_fp8_send, each with the
+    # consumers quantising the fp32 sums (the default) and the send warps the bf16 tile; 64-row ones
+    for bm, align, wide, source in ((128, 128, None, None), (128, 128, False, "fp32"), (128, 128, None, "bf16"),
+                                    (128, 128, False, "bf16"), (64, 1, None, None)):
+        prob = Fp8Problem(family, fresh_seed(f"fp8 gemm fp8 wire {family} bm={bm} wide={wide} from={source}"),
+                          n_cols=512 * (1 + (family == "random")), k_dim=256, align=align, wide=wide)
+        gemm_fp8_wire_check(dev, prob, bm, check_c, fp8_source=source)
+
+
+def exact_fp8_problem(dev, family: str, seed: int, wide):
+    """An Fp8Problem whose fp32 sums are bf16 numbers (so C loses nothing in bf16 and the wire of
+    the sums is exactly ``oracle.wire.encode`` of C): A and B codes of 0 and +-1, K 256 (|a . b| <=
+    256, an integer: 8 significant bits), scales powers of two constant along K (per row, per
+    weight block); among the rows all-zero ones (the amax clamp), 2^90 and 2^-110 ones (huge;
+    tiny, under the clamp), NaN ones and +Inf ones (NaN where a row's k-block sums to 0)."""
+    from tests.gpu.test_gemm_fp8 import Fp8Problem
+    prob = Fp8Problem(family, seed, n_cols=1024, k_dim=256, align=128, wide=wide)
+    rng = np.random.default_rng(seed + 3)
+    e, n, k = prob.qb.shape
+
+    def pick(shape):                                         # codes of 0, 1, -1
+        return rng.choice(np.array([0x00, 0x38, 0xB8], np.uint8), shape, p=[0.5, 0.25, 0.25])
+    prob.qa, prob.qb = pick(prob.qa.shape), pick((e, n, k))
+    row_exp = rng.integers(-20, 20, prob.rows).astype(np.float64)
+    kind = rng.integers(0, 8, prob.rows)
+    row_scale = np.exp2(row_exp)
+    row_scale[kind == 1] = 0.0
+    row_scale[kind == 2] = 2.0 ** 90
+    row_scale[kind == 3] = 2.0 ** -110
+    row_scale[kind == 4] = np.nan
+    row_scale[kind == 5] = np.inf
+    prob.sa = np.repeat(row_scale[:, None], k // 128, axis=1).astype(np.float32)
+    blk = np.exp2(rng.integers(-6, 6, (e, n // 128))).astype(np.float32)
+    prob.sb = np.repeat(blk[:, :, None], k // 128, axis=2)
+    return prob
+
+
+@pytest.mark.parametrize("family", ["random", "skewed", "one_row"])
+@pytest.mark.parametrize("wide", [None, False])
+def test_fp8_gemm_fp8_wire_from_fp32_exact(dev, family, wide):
+    """Sums that bf16 holds exactly: the consumers' quantiser sends exactly oracle.wire.encode of
+    C (every edge block: zeros, huge, tiny, NaN, Inf), and C is the exact product."""
+    _hopper_or_skip(dev)
+    from tests.gpu.gemm_common import gated
+    prob = exact_fp8_problem(dev, family, fresh_seed(f"fp8 gemm exact sums {family} wide={wide}"), wide)
+    c = gated(dev, prob, 128)
+    got = np.ascontiguousarray(c[:, :2 * prob.n_cols]).view(np.uint16)
+    a = fp8.e4m3_to_f32(prob.qa).astype(np.float64)
+    b = fp8.e4m3_to_f32(prob.qb).astype(np.float64)
+    off = prob.case.expert_offsets
+    with np.errstate(invalid="ignore", over="ignore"):
+        for x in range(len(off) - 1):
+            lo, hi = int(off[x]), int(off[x + 1])
+            if hi > lo:
+                dots = a[lo:hi] @ b[x].T                                        # integers, |.| <= 256
+                want = dots * prob.sa[lo:hi, :1].astype(np.float64) * np.repeat(prob.sb[x, :, 0], 128)[None, :]
+                fin = np.isfinite(prob.sa[lo:hi, 0])
+                have = (got[lo:hi][fin].astype(np.uint32) << 16).view(np.float32)   # bf16 values: -0 == +0
+                assert np.array_equal(have, want[fin].astype(np.float32)), \
+                    f"{prob.case}: C of expert {x} is not the exact product"
+    gemm_fp8_wire_check(dev, prob, 128, None, fp8_source="fp32", exact=True)
+
