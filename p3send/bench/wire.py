@@ -328,9 +328,11 @@ def slots_requantised(got: np.ndarray, want: np.ndarray, hidden: int, msg_bytes:
 
 
 #: Measurement variants of the FP8 GEMM (tools/build_gemm_fp8.py --variant) timed in the fused
-#: part beside the shipped kernel when their PTX is in the P3SEND_FP8_VARIANTS folder: the
-#: quantiser runs in the send warps, so the variant with seven of them (send_wg), the one with
-#: the faster mainloop (dual) and both (dual_sw: seven send warps at 56 registers); the shipped
+#: part beside the shipped kernel when their PTX is in the P3SEND_FP8_VARIANTS folder: until
+#: the consumers quantised (FLAG_WIRE_FP8_STAGED, now every kernel's at 128-row tiles: see
+#: BF16_SOURCE for the send warps' quantiser) the send warps did, hence the variant with seven
+#: of them (send_wg), the one with the faster mainloop (dual) and both (dual_sw: seven send
+#: warps at 56 registers); the shipped
 #: wide kernel (the default: the faster mainloop, four send warps at 88) is timed beside the
 #: 384-thread one ("FP8 GEMM 384 threads")
 WIRE_GEMM_VARIANTS = ("send_wg", "dual", "dual_sw")

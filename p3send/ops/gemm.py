@@ -402,7 +402,8 @@ class GroupedGemmLauncher(SendLauncher):
         arguments (``send_args``; with the send off, the offsets' checks only: the send's cfg
         is not read); with it on, ``cfg.msg_bytes`` must be the slot size of an n_cols row on
         the wire: 2*n_cols (bf16), 33*n_cols/32 (fp8: n_cols a multiple of 512; the flags
-        then carry ``FLAG_WIRE_FP8``, and ``p3_send_rows`` quantises the staged bf16 rows).
+        then carry ``FLAG_WIRE_FP8``, and ``p3_send_rows`` quantises the staged bf16 rows, or,
+        the FP8 GEMM's ``fp8_source="fp32"``, copies the rows its consumers quantised).
 
         Args:
             cfg, expert_offsets, expert_offsets_host, count_ptrs, row_cache, p3_control,

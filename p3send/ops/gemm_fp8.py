@@ -51,7 +51,9 @@ class GroupedGemmFp8Send(GroupedGemmLauncher):
     linked: link the kernel with ``p3_send_rows.ptx`` through the driver's linker (the route
     of docs/EMBEDDING.md (c)) instead of one module with the calls inlined (the default).
     num_sms: the persistent grid (default: every SM). variant_ptx: the text of a measurement
-    variant of the kernel (tools/build_gemm_fp8.py --variant), loaded instead of the shipped one.
+    variant of the kernel (tools/build_gemm_fp8.py --variant), loaded instead of the shipped one
+    (on the FP8 wire a variant without the consumers' quantiser, such as ``outline``, needs
+    ``fp8_source="bf16"``: it refuses FLAG_WIRE_FP8_STAGED, sending nothing).
     wide: launch ``p3_gemm_fp8_send_wide`` (512 threads: two accumulator sets per consumer, four
     send warps in a warpgroup of their own; the same C and receive bytes) for 128-row tiles,
     ``p3_gemm_fp8_send`` for 64-row ones (default: True unless linked or a variant; docs/PERF.md

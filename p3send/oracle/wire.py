@@ -44,8 +44,10 @@ def requantised(got: np.ndarray, want: np.ndarray, hidden: int) -> str | None:
     """Whether FP8-wire rows ``got`` (uint8 ``(n, msg_bytes)``) can be the wire of fp32 values
     whose bf16 rounding ``want`` is the wire of (``encode``): every code at most one e4m3 step
     from ``want``'s (sign-magnitude order, -0 = +0), a NaN block's codes all 0x7F in both,
-    each scale within ``SCALE_REL`` of ``want``'s (NaN and +Inf as they are). None when so,
-    else what differs first."""
+    each scale within ``SCALE_REL`` of ``want``'s (NaN and +Inf as they are), a NaN code
+    (0x7F, 0xFF) exactly where ``want`` has one. None when so, else what differs first.
+    Not for values whose bf16 rounding overflows (|y| >= 3.3961e38, bf16's largest finite
+    plus half its last step): their bf16 row holds an infinity the fp32 values do not."""
     g, w = np.asarray(got, np.uint8), np.asarray(want, np.uint8)
     mb = wire_msg_bytes(hidden, WIRE_FP8, what="FP8 wire reference")
     if g.shape != w.shape or g.ndim != 2 or g.shape[1] != mb:
@@ -62,9 +64,12 @@ def requantised(got: np.ndarray, want: np.ndarray, hidden: int) -> str | None:
     def order(c):
         m = (c & 0x7F).astype(np.int64)
         return np.where(c & 0x80, -m, m)
-    dist = np.abs(order(g[:, :hidden]) - order(w[:, :hidden]))
+    gc, wc = g[:, :hidden], w[:, :hidden]
+    dist = np.abs(order(gc) - order(wc))
     nan_blk = np.repeat(np.isnan(ws), fp8.BLOCK, axis=1)
-    bad = np.argwhere(np.where(nan_blk, g[:, :hidden] != fp8.E4M3_NAN, dist > 1))
+    # a NaN code (0x7F/0xFF) is no neighbour of +-448: it must stand exactly where want's does
+    nan_code = ((gc & 0x7F) == 0x7F) != ((wc & 0x7F) == 0x7F)
+    bad = np.argwhere(np.where(nan_blk, gc != fp8.E4M3_NAN, (dist > 1) | nan_code))
     if len(bad):
         r, c = bad[0]
         return (f"row {r} column {c}: code {int(g[r, c]):#04x}, expected {int(w[r, c]):#04x} or a neighbour "

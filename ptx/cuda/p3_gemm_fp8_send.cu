@@ -116,8 +116,9 @@
 // on: p3_send_rows by each send warp (warp_rank 0..2 of 3, its own P3SendAcct, 512-byte
 // column tiles, 256 for a last 128-column one; p3_send_flush right after the warp's last tile
 // of each expert; an expert with no rows is flushed empty by send warp 0 of CTA e % grid):
-// the receive buffers and counts then hold exactly what p3_scatter_send writes from that C,
-// and C is not written. The FP8 wire (FLAG_WIRE_FP8 in ctx.flags): the send warps' p3_send_rows
+// the receive buffers and counts then hold exactly what p3_scatter_send writes from that C
+// (on the FP8 wire: p3_scatter_send_fp8, unless FLAG_WIRE_FP8_STAGED, below), and C is not
+// written. The FP8 wire (FLAG_WIRE_FP8 in ctx.flags): the send warps' p3_send_rows
 // quantises the staged bf16 tile, or, with FLAG_WIRE_FP8_STAGED (128) too, the consumers quantise
 // their fp32 sums into the staged tile (codes, then scales) and p3_send_rows copies it
 // (bm 128 only: with bm 64 the flag makes the launch send nothing and set diag[2]).

@@ -276,3 +276,17 @@ def test_the_wire_of_fp32_sums_is_requantised_of_their_bf16_wire_and_the_check_c
     bad = got.copy()
     bad[1, 0] = 0x00                                            # row 1's first block holds a NaN
     assert "code" in wire.requantised(bad, want, 1024)
+
+
+def test_requantised_takes_no_nan_code_for_a_saturated_one():
+    """0x7F (NaN) beside 0x7E (448) is not a neighbour: a stray NaN code in a block without a NaN
+    is caught, and a NaN code missing where the reference has one too."""
+    from p3send.oracle import wire
+    y = np.full((1, 512), 1.0, np.float32)
+    y[0, 0] = 448.0                                   # the block's amax: code 0x7E, multiplier 1
+    want = wire.encode(f32_to_bf16(y))
+    assert want[0, 0] == 0x7E and wire.requantised(want, want, 512) is None
+    bad = want.copy()
+    bad[0, 0] = 0x7F
+    assert "code" in wire.requantised(bad, want, 512)
+    assert "code" in wire.requantised(want, bad, 512)
