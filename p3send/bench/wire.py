@@ -277,7 +277,8 @@ def fused_gemm(ctx) -> dict:
         same_as_shipped = {k: all(np.array_equal(x_, y_) for x_, y_ in zip(v, wire_bytes["FP8 GEMM"]))
                            for k, v in wire_bytes.items() if k not in ("FP8 GEMM", BF16_SOURCE)}
         # the default's wire (of the fp32 sums) against the send warps' (of their bf16 rounding, C)
-        requant = [slots_requantised(x_, y_, N, m8) for x_, y_ in zip(wire_bytes["FP8 GEMM"], wire_bytes[BF16_SOURCE])]
+        requant = [wire_ref.requantised_slots(x_, y_, N) for x_, y_ in zip(wire_bytes["FP8 GEMM"],
+                                                                           wire_bytes[BF16_SOURCE])]
         wire_bytes.clear()
         for k in [k for k, ok in same_as_shipped.items() if not ok]:   # other bytes: reported, not timed
             for tag in ("gated", "fused bf16-wire", "fused fp8-wire"):
@@ -312,19 +313,6 @@ def fused_gemm(ctx) -> dict:
 #: the default FP8 GEMM quantising in its send warps (fp8_source="bf16"), a contender of the fused part
 BF16_SOURCE = "FP8 GEMM send-warp quantiser"
 
-
-def slots_requantised(got: np.ndarray, want: np.ndarray, hidden: int, msg_bytes: int) -> str | None:
-    """``oracle.wire.requantised`` over two receive buffers of FP8-wire slots (each's owned
-    slots: not all sentinel), and the same slots owned in both; None when so."""
-    from ..oracle import wire as wire_ref
-    n = len(got) // msg_bytes
-    g, w = got[:n * msg_bytes].reshape(n, msg_bytes), want[:n * msg_bytes].reshape(n, msg_bytes)
-    og, ow = ~(g == SENTINEL).all(axis=1), ~(w == SENTINEL).all(axis=1)
-    if not np.array_equal(og, ow):
-        return f"slots owned in one buffer only: {np.flatnonzero(og != ow)[:8].tolist()}"
-    if not np.array_equal(got[n * msg_bytes:], want[n * msg_bytes:]):
-        return "bytes past the slots differ"
-    return wire_ref.requantised(g[og], w[ow], hidden)
 
 
 #: Measurement variants of the FP8 GEMM (tools/build_gemm_fp8.py --variant) timed in the fused

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..abi.errors import ConfigError
+from ..abi.layout import SENTINEL
 from ..abi.wire import WIRE_FP8, wire_msg_bytes
 from . import fp8
 
@@ -75,6 +76,25 @@ def requantised(got: np.ndarray, want: np.ndarray, hidden: int) -> str | None:
         return (f"row {r} column {c}: code {int(g[r, c]):#04x}, expected {int(w[r, c]):#04x} or a neighbour "
                 f"({len(bad)} codes off)")
     return None
+
+
+def requantised_slots(got: np.ndarray, want: np.ndarray, hidden: int) -> str | None:
+    """``requantised`` over two buffers of FP8-wire slots (flat uint8, slot j at byte
+    j*msg_bytes): the slots ``want`` leaves all ``SENTINEL`` (unowned: a scale is never
+    0xABABABAB, a negative number) and the bytes past the last whole slot equal in ``got``,
+    every other slot ``requantised`` of ``want``'s. None when so, else what differs first."""
+    mb = wire_msg_bytes(hidden, WIRE_FP8, what="FP8 wire reference")
+    g, w = np.asarray(got, np.uint8).ravel(), np.asarray(want, np.uint8).ravel()
+    if g.shape != w.shape:
+        return f"buffers of {g.size} and {w.size} bytes"
+    n = w.size // mb
+    if not np.array_equal(g[n * mb:], w[n * mb:]):
+        return "bytes past the last slot differ"
+    gs, ws = g[:n * mb].reshape(n, mb), w[:n * mb].reshape(n, mb)
+    owned = ~(ws == SENTINEL).all(axis=1)
+    if not np.array_equal(gs[~owned], ws[~owned]):
+        return f"unowned slots written: {np.flatnonzero(~owned)[(gs[~owned] != SENTINEL).any(axis=1)][:8].tolist()}"
+    return requantised(gs[owned], ws[owned], hidden)
 
 
 def decode(wire: np.ndarray, hidden: int) -> np.ndarray:

@@ -769,6 +769,16 @@ __device__ __forceinline__ int lane_id()
 #define P3F_LANE lane
 #endif
 
+// Whether the consumers quantise their fp32 sums (stage_tile_fp8): P3_FLAG_WIRE_FP8_STAGED and the
+// send on (cfg.n_ranks loaded as the send warps load it). Read in the consumers' branch, after
+// setmaxnreg: held from the entry, it would live across it.
+__device__ __forceinline__ bool consumers_quantise(const P3SendCtx *ctx)
+{
+    int64_t n_ranks;
+    asm("ld.param.s64 %0, [" P3F_STR(P3F_ENTRY) "_param_0+88];" : "=l"(n_ranks));
+    return (ctx->flags & P3_FLAG_WIRE_FP8_STAGED) && ctx->p3_control >= 0 && n_ranks != 0;
+}
+
 extern "C" __global__ void __launch_bounds__(Layout::THREADS, 1)
 P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, const TmaMap *tmaps,
                  const float *sb, uint8_t *c_ptr, uint64_t c_row_stride, uint32_t n_cols, uint32_t k_dim,
@@ -836,10 +846,7 @@ P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, co
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(P3F_REGS_CONSUMER));
         const int wg = warp / 4 - 1, wq = warp % 4;
         const int ncb = (int)(n_cols / SBLK);
-        int64_t n_ranks;                            // cfg.n_ranks, as the send warps load it
-        asm("ld.param.s64 %0, [" P3F_STR(P3F_ENTRY) "_param_0+88];" : "=l"(n_ranks));
-        // the consumers quantise their fp32 sums (stage_tile_fp8): the flag and the send on
-        const bool fp8 = (ctx->flags & P3_FLAG_WIRE_FP8_STAGED) && ctx->p3_control >= 0 && n_ranks != 0;
+        const bool fp8 = consumers_quantise(ctx);
         if (bm == 128)
             P3F_CONSUMER<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb, fp8);
         else
@@ -868,10 +875,7 @@ P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, co
     } else {
         const int wg = warp / 4 - 1, wq = warp % 4;
         const int ncb = (int)(n_cols / SBLK);
-        int64_t n_ranks;                            // cfg.n_ranks, as the send warps load it
-        asm("ld.param.s64 %0, [" P3F_STR(P3F_ENTRY) "_param_0+88];" : "=l"(n_ranks));
-        // the consumers quantise their fp32 sums (stage_tile_fp8): the flag and the send on
-        const bool fp8 = (ctx->flags & P3_FLAG_WIRE_FP8_STAGED) && ctx->p3_control >= 0 && n_ranks != 0;
+        const bool fp8 = consumers_quantise(ctx);
         if (bm == 128)
             consumer<128>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb, fp8);
         else

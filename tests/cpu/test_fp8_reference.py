@@ -290,3 +290,28 @@ def test_requantised_takes_no_nan_code_for_a_saturated_one():
     bad[0, 0] = 0x7F
     assert "code" in wire.requantised(bad, want, 512)
     assert "code" in wire.requantised(want, bad, 512)
+
+
+def test_requantised_slots_compares_unowned_slots_exactly_and_owned_ones_within_the_bound():
+    """oracle.wire.requantised_slots (the GPU tests' and the bench's check of receive buffers):
+    owned slots requantised, an unowned (all-sentinel) slot or the tail written is caught."""
+    from p3send.abi.layout import SENTINEL
+    from p3send.oracle import wire
+    rng = np.random.default_rng(7)
+    y = rng.standard_normal((3, 512)).astype(np.float32)
+    mb = 528
+    want = np.full(5 * mb + 8, SENTINEL, np.uint8)
+    got = want.copy()
+    for slot, row in ((0, 0), (2, 1), (4, 2)):
+        want[slot * mb:(slot + 1) * mb] = wire.encode(f32_to_bf16(y[row:row + 1]))[0]
+        got[slot * mb:(slot + 1) * mb] = wire.encode_f32(y[row:row + 1])[0]
+    assert wire.requantised_slots(got, want, 512) is None
+    bad = got.copy()
+    bad[mb + 3] = 0
+    assert "unowned" in wire.requantised_slots(bad, want, 512)
+    bad = got.copy()
+    bad[-1] = 0
+    assert "past the last slot" in wire.requantised_slots(bad, want, 512)
+    bad = got.copy()
+    bad[2 * mb:3 * mb] = SENTINEL                   # an owned slot never written
+    assert wire.requantised_slots(bad, want, 512) is not None

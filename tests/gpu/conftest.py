@@ -72,11 +72,7 @@ def fp8_requantised(hidden: int, msg_bytes: int):
     def check(got: np.ndarray, want: np.ndarray) -> str | None:
         if not (np.array_equal(got[:GUARD], want[:GUARD]) and np.array_equal(got[-GUARD:], want[-GUARD:])):
             return "a guard byte was written"
-        g, w = got[GUARD:-GUARD].reshape(-1, msg_bytes), want[GUARD:-GUARD].reshape(-1, msg_bytes)
-        owned = ~(w == SENTINEL).all(axis=1)       # a scale is never 0xABABABAB (negative)
-        if not np.array_equal(g[~owned], w[~owned]):
-            return f"unowned slots written: {np.flatnonzero((g[~owned] != SENTINEL).any(axis=1))[:8].tolist()}"
-        return wire_ref.requantised(g[owned], w[owned], hidden)
+        return wire_ref.requantised_slots(got[GUARD:-GUARD], want[GUARD:-GUARD], hidden)
     return check
 
 

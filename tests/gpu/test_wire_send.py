@@ -19,7 +19,7 @@ from p3send.cuda import driver, loader
 from p3send.ops import send as send_ops
 from p3send.ops.send import EpilogueSend, ScatterSend
 from p3send.oracle import wire as wire_ref
-from p3send.oracle.cases import send_case
+from p3send.oracle.cases import SENTINEL, send_case
 from p3send.oracle.reference import f32_to_bf16
 from p3send.oracle import fp8
 from tests.gpu.conftest import GUARD, assert_send_exact, fp8_requantised, fresh_seed, run_send
@@ -357,7 +357,7 @@ def gemm_fp8_wire_check(dev, prob, bm: int, check_c, fp8_source: str | None = "b
     assert_send_exact(run, None if exact else fp8_requantised(prob.n_cols, prob.case.msg_bytes))
     if not exact:   # how many codes the one rounding changed (printed: pytest -s)
         differ = sum(int((g != w).sum()) for g, w in zip(run.recv, run.want_recv))
-        sent = sum(int((~(w[GUARD:-GUARD].reshape(-1, prob.case.msg_bytes) == 0xAB).all(axis=1)).sum())
+        sent = sum(int((~(w[GUARD:-GUARD].reshape(-1, prob.case.msg_bytes) == SENTINEL).all(axis=1)).sum())
                    for w in run.want_recv)
         print(f"[fp8 wire from fp32] {prob.case}: {sent} slots sent, bytes differing from the bf16 C's wire {differ}")
         # the consumers' quantiser ran (a launcher that left the flag off sends C's wire exactly):
@@ -394,7 +394,7 @@ def test_fp8_gemm_fp8_wire(dev, family):
         gemm_fp8_wire_check(dev, prob, bm, check_c, fp8_source=source)
 
 
-def exact_fp8_problem(dev, family: str, seed: int, wide):
+def exact_fp8_problem(family: str, seed: int, wide):
     """An Fp8Problem whose fp32 sums are bf16 numbers (so C loses nothing in bf16 and the wire of
     the sums is exactly ``oracle.wire.encode`` of C): A and B codes of 0 and +-1, K 256 (|a . b| <=
     256, an integer: 8 significant bits), scales powers of two constant along K (per row, per
@@ -434,7 +434,7 @@ def test_fp8_gemm_fp8_wire_from_fp32_exact(dev, family, wide):
     C (every edge block: zeros, huge, tiny, NaN, Inf), and C is the exact product."""
     _hopper_or_skip(dev)
     from tests.gpu.gemm_common import gated
-    prob = exact_fp8_problem(dev, family, fresh_seed(f"fp8 gemm exact sums {family} wide={wide}"), wide)
+    prob = exact_fp8_problem(family, fresh_seed(f"fp8 gemm exact sums {family} wide={wide}"), wide)
     c = gated(dev, prob, 128)
     got = np.ascontiguousarray(c[:, :2 * prob.n_cols]).view(np.uint16)
     a = fp8.e4m3_to_f32(prob.qa).astype(np.float64)
