@@ -50,6 +50,15 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const TmaMap *map, uint32
                  :: "r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// tma_load into the same offsets of both CTAs of a cluster of two (dst and bar this CTA's: the
+// box lands, and its bytes are counted, at those offsets in each CTA of mask)
+__device__ __forceinline__ void tma_load_pair(uint32_t dst, const TmaMap *map, uint32_t bar, int c0, int c1)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;"
+                 :: "r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar), "h"((uint16_t)3) : "memory");
+}
+
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart
 // (rows of 128 bytes: 64 bf16 or 128 e4m3 elements of K).
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr)
@@ -138,6 +147,7 @@ struct GemmLayout {
     static constexpr int OFF_ACCT = OFF_BAR + (2 * STAGES + 2) * 8;
     static constexpr int OFF_MPRE = OFF_ACCT + SEND_WARPS * (int)sizeof(P3SendAcct);
     static constexpr int SMEM = OFF_MPRE + 4 * (MAX_EXPERTS + 1);
+    static constexpr int EMPTY_ARRIVALS = 8;                  // a stage's release: one arrive per consumer warp
 };
 
 extern __shared__ __align__(1024) uint8_t smem[];               // the layout: the kernel's GemmLayout
@@ -177,7 +187,7 @@ __device__ __forceinline__ bool gemm_setup(uint32_t base, int tid, const int *of
         }
         for (int s = 0; s < L::STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 8);            // one arrive per consumer warp
+            mbar_init(empty + 8 * s, L::EMPTY_ARRIVALS);
         }
         mbar_init(staged, 256);                     // every consumer thread, after its stores
         mbar_init(freed, L::SEND_WARPS);            // one arrive per send warp
@@ -201,22 +211,33 @@ __device__ __forceinline__ bool gemm_setup(uint32_t base, int tid, const int *of
 // CTA (and each of its HALVES mainloops) and k-block, waits for the ring's next stage to be
 // free and loads A (BM x BK) and B (BN_MMA x BK) into it, and what more(stage, its full
 // barrier, tile, k-block) loads with them: tx bytes in all, counted on the stage's full barrier.
+//
+// pair (a kernel launched in clusters of two CTAs, blockIdx.x ^ 1 the other): tiles t and t ^ 1
+// (the two CTAs' tiles of each round) are paired when both exist, which the caller guarantees
+// is the same m-tile with the same mainloops (n_tiles even, every tile whole): A's k-blocks of
+// the pair's mainloops then come in turns from either CTA, multicast into both (the stage's
+// full barrier counts the same bytes; its empty barrier counts both CTAs' consumers, see
+// L::EMPTY_ARRIVALS), so each CTA reads half of A from L2. An unpaired tile loads its own A.
 template <class L, class More>
 __device__ __forceinline__ void produce(uint32_t base, const TmaMap *tmap_a, const TmaMap *tmap_b, uint32_t tx,
                                         int total, int n_tiles, int n_experts, const int *mpre, const int *offs,
-                                        int bm, uint32_t n_cols, int kblocks, More more)
+                                        int bm, uint32_t n_cols, int kblocks, More more, bool pair = false)
 {
     const uint32_t full = base + L::OFF_BAR, empty = full + 8 * L::STAGES;
-    uint32_t s = 0, ph = 0;
+    uint32_t s = 0, ph = 0, g = blockIdx.x;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         const Tile T = grouped_tile(t, n_tiles, n_experts, mpre, offs, bm, L::BN);
         const int brow = T.e * (int)n_cols + T.n0;
         const int halves = tile_halves<L>(T, n_cols);
+        const bool paired = pair && (t | 1) < total;
         for (int h = 0; h < halves; ++h)
-        for (int kb = 0; kb < kblocks; ++kb) {
+        for (int kb = 0; kb < kblocks; ++kb, ++g) {
             mbar_wait(empty + 8 * s, ph ^ 1);
             mbar_expect_tx(full + 8 * s, tx);
-            tma_load(base + s * L::A_STAGE, tmap_a, full + 8 * s, kb * L::BK, T.m0);
+            if (!paired)
+                tma_load(base + s * L::A_STAGE, tmap_a, full + 8 * s, kb * L::BK, T.m0);
+            else if ((g & 1) == 0)                  // the pair's k-block g: CTA g % 2 loads it for both
+                tma_load_pair(base + s * L::A_STAGE, tmap_a, full + 8 * s, kb * L::BK, T.m0);
             tma_load(base + L::OFF_B + s * L::B_STAGE, tmap_b, full + 8 * s, kb * L::BK, brow + h * L::BN_MMA);
             more(s, full + 8 * s, T, kb);
             if (++s == L::STAGES) {

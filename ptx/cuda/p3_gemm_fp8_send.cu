@@ -233,6 +233,9 @@ constexpr int P3F_BN = 128, P3F_STAGES = 5, P3F_SMEM = 202612;
 // four send warps, all in the fourth warpgroup (warps 12..15); warps 1..3 exit after the set-up
 struct Layout : GemmLayout<P3F_BN, 128, 1, P3F_STAGES, P3F_STAGES * SA_STAGE, 4, 512, 128> {
     static __device__ __forceinline__ int send_rank(int warp) { return warp >= 12 ? warp - 12 : -1; }
+#ifdef P3F_MCAST
+    static constexpr int EMPTY_ARRIVALS = 16;       // both CTAs' consumer warps release a stage
+#endif
 };
 // the wide kernel's: its PTX header's LAUNCH and GroupedGemmFp8Send.WIDE
 static_assert(Layout::SMEM == P3F_SMEM + 48, "the dynamic shared memory of the wide kernel's LAUNCH");
@@ -592,6 +595,31 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
 
 #ifdef P3F_DUAL
 #define P3F_CONSUMER consumer_dual
+#ifdef P3F_SB_SHFL
+// The weights' scale of the mainloop for each k-block: lane j holds k-block 32c + j's (c the
+// chunk: one ld.global.nc per lane per 32 k-blocks, issued at the mainloop's start), a shuffle
+// gives it to the warp. Read two k-blocks ahead instead, ptxas moves each load into a uniform
+// register at once (R2UR): the warp waits for it in every k-block.
+struct ScaleB {
+    const float *p;
+    int kblocks;
+    float v;
+    __device__ __forceinline__ void load(int kb0)
+    {
+        uint32_t lane;
+        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+        v = kb0 + (int)lane < kblocks ? __ldg(p + kb0 + lane) : 0.0f;
+    }
+    __device__ __forceinline__ ScaleB(const float *sbt, int kb_n) : p(sbt), kblocks(kb_n) { load(0); }
+    // the scale of k-block kb (called for kb = 0, 1, ... in order)
+    __device__ __forceinline__ float take(int kb)
+    {
+        if (kb > 0 && (kb & 31) == 0)
+            load(kb);
+        return __shfl_sync(0xffffffffu, v, kb & 31);
+    }
+};
+#else
 // The weights' scale of the tile for each k-block, read with ld.global.nc two k-blocks ahead.
 struct ScaleB {
     const float *p;
@@ -609,6 +637,7 @@ struct ScaleB {
         return v;
     }
 };
+#endif
 
 // The promotion of k-block kb, whose wgmmas into acc were committed from stage s: waits until
 // at most PENDING wgmma groups of this warpgroup are in flight (the k-block's are then done),
@@ -616,7 +645,7 @@ struct ScaleB {
 // times the scale product to sum (fp32 fma: DeepSeek-V3's promotion every 128 of K).
 template <int PENDING, int WN>
 __device__ __forceinline__ void promote(float (&acc)[WN / 2], float (&sum)[WN / 2], uint32_t base, uint32_t empty,
-                                        uint32_t s, uint32_t sa_row, float sb_k, int lane)
+                                        uint32_t s, uint32_t sa_row, float sb_k, int lane, uint32_t peer = 0)
 {
     // the stage holds the scales of rows from m0 rounded down to 4: see the producer
     const uint32_t sa_addr = base + Layout::OFF_EXTRA + s * SA_STAGE + sa_row;
@@ -625,7 +654,18 @@ __device__ __forceinline__ void promote(float (&acc)[WN / 2], float (&sum)[WN / 
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(sa1) : "r"(sa_addr + 32) : "memory");
     wgmma_wait<PENDING>();
     fence_acc(acc);
-#ifdef P3F_ELECT
+#ifdef P3F_MCAST
+    // P3F_MCAST: the stage is released in this CTA and in CTA peer of the cluster (the other one
+    // when the tile is paired: its producer multicast into this stage; else this CTA again),
+    // whose empty barrier counts both CTAs' consumer warps. Release at CTA scope, as the local
+    // arrive: .release.cluster is a MEMBAR.GPU first, which waits for the warpgroup's wgmmas in
+    // flight (measured: the kernel took twice as long)
+    asm volatile("{\n.reg .pred p;\n.reg .b32 r;\nelect.sync _|p, 0xffffffff;\n"
+                 "mapa.shared::cluster.u32 r, %0, %1;\n"
+                 "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+                 "@p mbarrier.arrive.shared::cluster.b64 _, [r];\n}"
+                 :: "r"(empty + 8 * s), "r"(peer) : "memory");
+#elif defined(P3F_ELECT)
     // one lane of the warp arrives, elected into a predicate: no register holds the lane in the
     // mainloop (at 200 registers ptxas spilled one around reading it)
     asm volatile("{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}"
@@ -679,6 +719,12 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         ScaleB sbk(sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK) * kblocks, kblocks);
 #endif
         const uint32_t sa_row = 4 * (r0 + (T.m0 & 3));
+#ifdef P3F_MCAST
+        // the CTA whose producer may write this CTA's stages besides its own (produce's pair)
+        const uint32_t peer = (blockIdx.x & 1) ^ (uint32_t)(n_col_blocks % 4 == 0 && (t | 1) < total);
+#else
+        constexpr uint32_t peer = 0;
+#endif
 #pragma unroll
         for (int j = 0; j < WN / 2; ++j)
             sum[j] = 0.0f;
@@ -699,22 +745,22 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         for (; kb + 2 < kblocks; kb += 2) {
             next(s, ph);
             issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg, NP * kb);
-            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
+            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
             next(s1, ph1);
             issue<WN>(acc, base, full, s1, ph1, a_off, b_off, wg, NP);
             promote<1, WN>(acc2, sum, base, empty, s1 == 0 ? Layout::STAGES - 1 : s1 - 1, sa_row,
-                           sbk.take(kb + 1), lane);
+                           sbk.take(kb + 1), lane, peer);
             s = s1;
             ph = ph1;
         }
         next(s, ph);
         if (kb + 1 < kblocks) {                 // two k-blocks left
             issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg, NP * kb);
-            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
-            promote<0, WN>(acc2, sum, base, empty, s1, sa_row, sbk.take(kb + 1), lane);
+            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
+            promote<0, WN>(acc2, sum, base, empty, s1, sa_row, sbk.take(kb + 1), lane, peer);
             next(s1, ph1);
         } else {
-            promote<0, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane);
+            promote<0, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
         }
         s = s1;
         ph = ph1;
@@ -752,6 +798,102 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
 
 #endif
 
+#ifdef P3F_EARLY
+#if defined(P3F_NO_PROMOTE) || !defined(P3F_PAIR)
+#error "P3F_EARLY: the dual consumer with the promotion, 256-column tiles"
+#endif
+#undef P3F_CONSUMER
+#define P3F_CONSUMER consumer_early
+// consumer_dual with each mainloop's first k-block issued before the previous mainloop's sums
+// are staged (a stage's data is the producer's business: issuing needs no tile coordinates),
+// so the tensor cores work through the staging. One loop over the CTA's mainloops with the
+// last staging after it: no path leaves the loop with a wgmma in flight, and none enters the
+// loop's head without one (ptxas then keeps the wgmmas asynchronous; with the loops of
+// consumer_dual and a conditional issue it serialised them: C7514).
+template <int WN>
+__device__ __forceinline__ void consumer_early(uint32_t, int wg, int wq, int, int total, int kblocks,
+                                               int n_tiles, int n_experts, const int *offs, int bm, const float *sb,
+                                               int n_col_blocks, bool fp8)
+{
+    float acc[WN / 2], acc2[WN / 2], sum[WN / 2];
+    uint32_t base, lane;
+    asm volatile("mov.u32 %0, smem;" : "=r"(base));
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
+    const ConsumerAt<WN> at(base, wg, wq, lane);
+    const uint32_t a_off = at.a_off, b_off = at.b_off;
+    const int r0 = at.r0;
+    const uint32_t full = at.full, empty = at.empty, staged = at.staged, freed = at.freed;
+    uint32_t s = 0, ph = 0, i = 0;
+    int t = blockIdx.x, h = 0;
+    if (t >= total)
+        return;
+    issue<WN>(acc, base, full, s, ph, a_off, b_off, wg);       // the CTA's first k-block
+    Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
+    for (;;) {
+        const int halves = min(Layout::HALVES, n_col_blocks - T.n0 / SBLK);
+        ScaleB sbk(sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK + h) * kblocks, kblocks);
+        const uint32_t sa_row = 4 * (r0 + (T.m0 & 3));
+#ifdef P3F_MCAST
+        const uint32_t peer = (blockIdx.x & 1) ^ (uint32_t)(n_col_blocks % 4 == 0 && (t | 1) < total);
+#else
+        constexpr uint32_t peer = 0;
+#endif
+#pragma unroll
+        for (int j = 0; j < WN / 2; ++j)
+            sum[j] = 0.0f;
+        uint32_t s1, ph1;
+        const auto next = [&](uint32_t from, uint32_t from_ph) {
+            s1 = from + 1 == Layout::STAGES ? 0 : from + 1;
+            ph1 = from + 1 == Layout::STAGES ? from_ph ^ 1 : from_ph;
+        };
+        int kb = 0;
+        for (; kb + 2 < kblocks; kb += 2) {
+            next(s, ph);
+            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg);
+            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
+            next(s1, ph1);
+            issue<WN>(acc, base, full, s1, ph1, a_off, b_off, wg);
+            promote<1, WN>(acc2, sum, base, empty, s1 == 0 ? Layout::STAGES - 1 : s1 - 1, sa_row,
+                           sbk.take(kb + 1), lane, peer);
+            s = s1;
+            ph = ph1;
+        }
+        next(s, ph);
+        if (kb + 1 < kblocks) {                     // two k-blocks left
+            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg);
+            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
+            promote<0, WN>(acc2, sum, base, empty, s1, sa_row, sbk.take(kb + 1), lane, peer);
+            next(s1, ph1);
+        } else {
+            promote<0, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
+        }
+        s = s1;
+        ph = ph1;
+        // the staged tile's address computed afresh (P3F_ELECT: kept, ptxas spilled it)
+        uint32_t base_now, lane_now;
+        asm volatile("mov.u32 %0, smem;" : "=r"(base_now));
+        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane_now));
+        const uint32_t stg_now = ConsumerAt<WN>(base_now, wg, wq, lane_now).stg;
+        const bool last_h = h + 1 == halves;
+        if (last_h && t + (int)gridDim.x >= total) {   // the CTA's last mainloop
+            stage_sums<WN>(sum, stg_now, lane_now, staged, freed, i, h, halves, fp8);
+            break;
+        }
+        issue<WN>(acc, base, full, s, ph, a_off, b_off, wg);   // the next mainloop's first k-block
+        stage_sums<WN>(sum, stg_now, lane_now, staged, freed, i, h, halves, fp8);
+        if (last_h) {
+            t += gridDim.x;
+            ++i;
+            h = 0;
+            T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
+        } else {
+            ++h;
+        }
+    }
+}
+#endif
+
 #ifndef P3F_CONSUMER
 #define P3F_CONSUMER consumer
 #endif
@@ -779,7 +921,18 @@ __device__ __forceinline__ bool consumers_quantise(const P3SendCtx *ctx)
     return (ctx->flags & P3_FLAG_WIRE_FP8_STAGED) && ctx->p3_control >= 0 && n_ranks != 0;
 }
 
-extern "C" __global__ void __launch_bounds__(Layout::THREADS, 1)
+#ifdef P3F_MCAST
+// P3F_MCAST: clusters of two CTAs (launched so by the driver: the entry says it, no launch
+// attribute), a pair of tiles' A loaded once for both (produce's pair)
+#if !defined(P3F_WIDE_BODY)
+#error "P3F_MCAST is a variant of the wide kernel's structure (P3F_WIDE_BODY)"
+#endif
+#define P3F_CLUSTER __cluster_dims__(2, 1, 1)
+#else
+#define P3F_CLUSTER
+#endif
+
+extern "C" __global__ void __launch_bounds__(Layout::THREADS, 1) P3F_CLUSTER
 P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, const TmaMap *tmaps,
                  const float *sb, uint8_t *c_ptr, uint64_t c_row_stride, uint32_t n_cols, uint32_t k_dim,
                  uint32_t bm)
@@ -802,6 +955,12 @@ P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, co
     }
     if (!gemm_setup<Layout>(base, tid, offs, n_experts, n_cols, k_dim, bm))
         return;                                     // the launcher refuses these before launch
+#ifdef P3F_MCAST
+    // both CTAs' barriers initialised before either multicasts into the other or releases its
+    // stages; every path below ends at the second cluster barrier (at the end), so neither CTA
+    // exits while the other may still arrive on its barriers
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
     // tiles per row of tiles: the last may be narrower (HALVES > 1; n_cols a multiple of BN_MMA)
     const int n_tiles = (int)((n_cols + Layout::BN - Layout::BN_MMA) / Layout::BN), kblocks = (int)(k_dim / Layout::BK);
     const int total = mpre[n_experts] * n_tiles;
@@ -824,8 +983,13 @@ P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, co
                 const auto scales = [base, tmap_sa](uint32_t s, uint32_t full_s, const Tile &T, int kb) {
                     tma_load(base + Layout::OFF_EXTRA + s * SA_STAGE, tmap_sa, full_s, T.m0 & ~3, kb);
                 };
+#ifdef P3F_MCAST
+                const bool pair = n_cols % (2 * Layout::BN) == 0;   // tiles t, t ^ 1 one m-tile, both whole
+#else
+                constexpr bool pair = false;
+#endif
                 produce<Layout>(base, tmap_a, tmap_b, bm * Layout::BK + Layout::B_STAGE + (bm + 4) * 4, total,
-                                n_tiles, n_experts, mpre, offs, (int)bm, n_cols, kblocks, scales);
+                                n_tiles, n_experts, mpre, offs, (int)bm, n_cols, kblocks, scales, pair);
             }
         }
 #ifdef P3F_SEND_WG3
@@ -852,6 +1016,9 @@ P3F_ENTRY(const __grid_constant__ P3PeerSendConfig cfg, const P3SendCtx *ctx, co
         else
             P3F_CONSUMER<64>(base, wg, wq, lane, total, kblocks, n_tiles, n_experts, offs, (int)bm, sb, ncb, fp8);
     }
+#ifdef P3F_MCAST
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+#endif
 #else
     if (warp == 0) {                                // the producer: one thread issues every copy
         if (lane == 0) {

@@ -386,3 +386,27 @@ def test_the_wire_section_renders_what_it_measured():
     text = table(out)
     assert "round, fp8" in text and "200.0 MB" in text and "target <= 0.75" in text and "skipped (no sender)" in text
     assert table({}) == ""
+
+
+def test_the_decode_rounds_byte_floor_is_the_bf16_rounds_line_at_the_fp8_bytes():
+    """FLOOR: the fp8 round's bytes on the line through the two bf16 rounds (bytes, time): a
+    round on that line is at its floor (ratio = its own over bf16), one above it is not; the
+    shares are as their formulas say."""
+    from p3send.bench.wire import FLOOR, round_ratios
+    names = ["bf16", "fp8", "short"]
+    nbytes = {"round, bf16": 300e6, "round, fp8": 200e6, "round, short": 150e6}
+
+    def line(b):                                                  # 20 us fixed, 3 MB per us
+        return 20.0 + b / 3e6
+    med = {"round, bf16": line(300e6), "round, short": line(150e6), "round, fp8": line(200e6),
+           "sends, bf16": 60.0, "sends, short": 30.0, "sends, fp8": 50.0}
+    r = round_ratios(med, nbytes, names)
+    assert r[FLOOR] == pytest.approx(line(200e6) / line(300e6)) == pytest.approx(r["decode round fp8 / bf16"])
+    med["round, fp8"] = 100.0                                     # slower than its bytes: above the floor
+    r = round_ratios(med, nbytes, names)
+    assert r[FLOOR] == pytest.approx(line(200e6) / 120.0)
+    assert r[FLOOR] < r["decode round fp8 / bf16"] == pytest.approx(100 / 120)
+    assert r["bytes fp8 / bf16"] == pytest.approx(2 / 3)
+    assert r["quantise + dequantise share of the fp8 round"] == pytest.approx((100 - line(150e6)) / 100)
+    assert r["quantise share (sends fp8 - sends at the fp8 row's length) / fp8 round"] == pytest.approx(0.2)
+    assert r["receive fp8 / receive bf16 (round minus sends)"] == pytest.approx(50 / 60)
