@@ -66,6 +66,8 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg
                             GroupedGemmFp8Send.WIDE[1:], False),
                   "early": ("early: the wide kernel issuing a mainloop's first k-block before staging",
                             GroupedGemmFp8Send.WIDE[1:], False),
+                  "sbshfl": ("sbshfl: the wide kernel with the weights' scales shuffled from one load per lane",
+                             GroupedGemmFp8Send.WIDE[1:], False),
                   "send_wg": ("send_wg: 512 threads (7 send warps)", SEND_WG_SHAPE, False),
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
                   "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),

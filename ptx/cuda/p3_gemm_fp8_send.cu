@@ -78,6 +78,14 @@
 // - -DP3F_ELECT: no register holds the lane through the mainloops (an elected lane arrives on
 //   the empty barrier, the lane and the staged tile's address read afresh): at 200 registers
 //   per consumer ptxas spilled them otherwise.
+// - -DP3F_MCAST (with P3F_WIDE_BODY): clusters of two CTAs (__cluster_dims__: a plain launch
+//   makes them); tiles t and t ^ 1 of a round are one m-tile, so A's k-blocks come in turns from
+//   either CTA, multicast into both, and each CTA's consumers release a stage in both CTAs
+//   (DeepGEMM multicasts B over its clusters of two the same way). Measured slower (docs/PERF.md).
+// - -DP3F_EARLY (with P3F_WIDE_BODY): each mainloop's first k-block issued before the previous
+//   mainloop's sums are staged (consumer_early). Measured slower (docs/PERF.md).
+// - -DP3F_SB_SHFL: the weights' scales of a mainloop loaded one per lane at its start and shuffled
+//   to the warp per k-block (ScaleB), not loaded two k-blocks ahead.
 // Internally P3F_PAIR (the 256-column tiles) is defined unless P3F_TILE128, P3F_PINGPONG (the
 // turns) unless P3F_NO_TURNS or P3F_TILE128 without P3F_TURNS.
 // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
