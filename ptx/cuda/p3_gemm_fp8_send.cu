@@ -82,10 +82,6 @@
 //   makes them); tiles t and t ^ 1 of a round are one m-tile, so A's k-blocks come in turns from
 //   either CTA, multicast into both, and each CTA's consumers release a stage in both CTAs
 //   (DeepGEMM multicasts B over its clusters of two the same way). Measured slower (docs/PERF.md).
-// - -DP3F_EARLY (with P3F_WIDE_BODY): each mainloop's first k-block issued before the previous
-//   mainloop's sums are staged (consumer_early). Measured slower (docs/PERF.md).
-// - -DP3F_SB_SHFL: the weights' scales of a mainloop loaded one per lane at its start and shuffled
-//   to the warp per k-block (ScaleB), not loaded two k-blocks ahead.
 // Internally P3F_PAIR (the 256-column tiles) is defined unless P3F_TILE128, P3F_PINGPONG (the
 // turns) unless P3F_NO_TURNS or P3F_TILE128 without P3F_TURNS.
 // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
@@ -603,31 +599,6 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
 
 #ifdef P3F_DUAL
 #define P3F_CONSUMER consumer_dual
-#ifdef P3F_SB_SHFL
-// The weights' scale of the mainloop for each k-block: lane j holds k-block 32c + j's (c the
-// chunk: one ld.global.nc per lane per 32 k-blocks, issued at the mainloop's start), a shuffle
-// gives it to the warp. Read two k-blocks ahead instead, ptxas moves each load into a uniform
-// register at once (R2UR): the warp waits for it in every k-block.
-struct ScaleB {
-    const float *p;
-    int kblocks;
-    float v;
-    __device__ __forceinline__ void load(int kb0)
-    {
-        uint32_t lane;
-        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
-        v = kb0 + (int)lane < kblocks ? __ldg(p + kb0 + lane) : 0.0f;
-    }
-    __device__ __forceinline__ ScaleB(const float *sbt, int kb_n) : p(sbt), kblocks(kb_n) { load(0); }
-    // the scale of k-block kb (called for kb = 0, 1, ... in order)
-    __device__ __forceinline__ float take(int kb)
-    {
-        if (kb > 0 && (kb & 31) == 0)
-            load(kb);
-        return __shfl_sync(0xffffffffu, v, kb & 31);
-    }
-};
-#else
 // The weights' scale of the tile for each k-block, read with ld.global.nc two k-blocks ahead.
 struct ScaleB {
     const float *p;
@@ -645,7 +616,6 @@ struct ScaleB {
         return v;
     }
 };
-#endif
 
 // The promotion of k-block kb, whose wgmmas into acc were committed from stage s: waits until
 // at most PENDING wgmma groups of this warpgroup are in flight (the k-block's are then done),
@@ -806,101 +776,6 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
 
 #endif
 
-#ifdef P3F_EARLY
-#if defined(P3F_NO_PROMOTE) || !defined(P3F_PAIR)
-#error "P3F_EARLY: the dual consumer with the promotion, 256-column tiles"
-#endif
-#undef P3F_CONSUMER
-#define P3F_CONSUMER consumer_early
-// consumer_dual with each mainloop's first k-block issued before the previous mainloop's sums
-// are staged (a stage's data is the producer's business: issuing needs no tile coordinates),
-// so the tensor cores work through the staging. One loop over the CTA's mainloops with the
-// last staging after it: no path leaves the loop with a wgmma in flight, and none enters the
-// loop's head without one (ptxas then keeps the wgmmas asynchronous; with the loops of
-// consumer_dual and a conditional issue it serialised them: C7514).
-template <int WN>
-__device__ __forceinline__ void consumer_early(uint32_t, int wg, int wq, int, int total, int kblocks,
-                                               int n_tiles, int n_experts, const int *offs, int bm, const float *sb,
-                                               int n_col_blocks, bool fp8)
-{
-    float acc[WN / 2], acc2[WN / 2], sum[WN / 2];
-    uint32_t base, lane;
-    asm volatile("mov.u32 %0, smem;" : "=r"(base));
-    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
-    const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
-    const ConsumerAt<WN> at(base, wg, wq, lane);
-    const uint32_t a_off = at.a_off, b_off = at.b_off;
-    const int r0 = at.r0;
-    const uint32_t full = at.full, empty = at.empty, staged = at.staged, freed = at.freed;
-    uint32_t s = 0, ph = 0, i = 0;
-    int t = blockIdx.x, h = 0;
-    if (t >= total)
-        return;
-    issue<WN>(acc, base, full, s, ph, a_off, b_off, wg);       // the CTA's first k-block
-    Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
-    for (;;) {
-        const int halves = min(Layout::HALVES, n_col_blocks - T.n0 / SBLK);
-        ScaleB sbk(sb + ((size_t)T.e * n_col_blocks + T.n0 / SBLK + h) * kblocks, kblocks);
-        const uint32_t sa_row = 4 * (r0 + (T.m0 & 3));
-#ifdef P3F_MCAST
-        const uint32_t peer = (blockIdx.x & 1) ^ (uint32_t)(n_col_blocks % 4 == 0 && (t | 1) < total);
-#else
-        constexpr uint32_t peer = 0;
-#endif
-#pragma unroll
-        for (int j = 0; j < WN / 2; ++j)
-            sum[j] = 0.0f;
-        uint32_t s1, ph1;
-        const auto next = [&](uint32_t from, uint32_t from_ph) {
-            s1 = from + 1 == Layout::STAGES ? 0 : from + 1;
-            ph1 = from + 1 == Layout::STAGES ? from_ph ^ 1 : from_ph;
-        };
-        int kb = 0;
-        for (; kb + 2 < kblocks; kb += 2) {
-            next(s, ph);
-            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg);
-            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
-            next(s1, ph1);
-            issue<WN>(acc, base, full, s1, ph1, a_off, b_off, wg);
-            promote<1, WN>(acc2, sum, base, empty, s1 == 0 ? Layout::STAGES - 1 : s1 - 1, sa_row,
-                           sbk.take(kb + 1), lane, peer);
-            s = s1;
-            ph = ph1;
-        }
-        next(s, ph);
-        if (kb + 1 < kblocks) {                     // two k-blocks left
-            issue<WN>(acc2, base, full, s1, ph1, a_off, b_off, wg);
-            promote<1, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
-            promote<0, WN>(acc2, sum, base, empty, s1, sa_row, sbk.take(kb + 1), lane, peer);
-            next(s1, ph1);
-        } else {
-            promote<0, WN>(acc, sum, base, empty, s, sa_row, sbk.take(kb), lane, peer);
-        }
-        s = s1;
-        ph = ph1;
-        // the staged tile's address computed afresh (P3F_ELECT: kept, ptxas spilled it)
-        uint32_t base_now, lane_now;
-        asm volatile("mov.u32 %0, smem;" : "=r"(base_now));
-        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane_now));
-        const uint32_t stg_now = ConsumerAt<WN>(base_now, wg, wq, lane_now).stg;
-        const bool last_h = h + 1 == halves;
-        if (last_h && t + (int)gridDim.x >= total) {   // the CTA's last mainloop
-            stage_sums<WN>(sum, stg_now, lane_now, staged, freed, i, h, halves, fp8);
-            break;
-        }
-        issue<WN>(acc, base, full, s, ph, a_off, b_off, wg);   // the next mainloop's first k-block
-        stage_sums<WN>(sum, stg_now, lane_now, staged, freed, i, h, halves, fp8);
-        if (last_h) {
-            t += gridDim.x;
-            ++i;
-            h = 0;
-            T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
-        } else {
-            ++h;
-        }
-    }
-}
-#endif
 
 #ifndef P3F_CONSUMER
 #define P3F_CONSUMER consumer
