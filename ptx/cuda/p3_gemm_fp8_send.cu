@@ -79,8 +79,8 @@
 //   the empty barrier, the lane and the staged tile's address read afresh): at 200 registers
 //   per consumer ptxas spilled them otherwise.
 // - -DP3F_MCAST (with P3F_WIDE_BODY): clusters of two CTAs (__cluster_dims__: a plain launch
-//   makes them); tiles t and t ^ 1 of a round are one m-tile, so A's k-blocks come in turns from
-//   either CTA, multicast into both, and each CTA's consumers release a stage in both CTAs
+//   makes them); with N a multiple of 512 tiles t and t ^ 1 of a round are one m-tile, so A's
+//   k-blocks come in turns from either CTA, multicast into both (else each tile loads its own), and each CTA's consumers release a stage in both CTAs
 //   (DeepGEMM multicasts B over its clusters of two the same way). Measured slower (docs/PERF.md).
 // Internally P3F_PAIR (the 256-column tiles) is defined unless P3F_TILE128, P3F_PINGPONG (the
 // turns) unless P3F_NO_TURNS or P3F_TILE128 without P3F_TURNS.
@@ -776,7 +776,6 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
 
 #endif
 
-
 #ifndef P3F_CONSUMER
 #define P3F_CONSUMER consumer
 #endif
@@ -807,8 +806,8 @@ __device__ __forceinline__ bool consumers_quantise(const P3SendCtx *ctx)
 #ifdef P3F_MCAST
 // P3F_MCAST: clusters of two CTAs (launched so by the driver: the entry says it, no launch
 // attribute), a pair of tiles' A loaded once for both (produce's pair)
-#if !defined(P3F_WIDE_BODY)
-#error "P3F_MCAST is a variant of the wide kernel's structure (P3F_WIDE_BODY)"
+#if !defined(P3F_WIDE_BODY) || !defined(P3F_PAIR)
+#error "P3F_MCAST is a variant of the wide kernel's structure (P3F_WIDE_BODY, 256-column tiles: the consumers' pairing test)"
 #endif
 #define P3F_CLUSTER __cluster_dims__(2, 1, 1)
 #else

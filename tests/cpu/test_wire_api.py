@@ -410,3 +410,5 @@ def test_the_decode_rounds_byte_floor_is_the_bf16_rounds_line_at_the_fp8_bytes()
     assert r["quantise + dequantise share of the fp8 round"] == pytest.approx((100 - line(150e6)) / 100)
     assert r["quantise share (sends fp8 - sends at the fp8 row's length) / fp8 round"] == pytest.approx(0.2)
     assert r["receive fp8 / receive bf16 (round minus sends)"] == pytest.approx(50 / 60)
+    assert r["dequantise share (receive fp8 - receive at the fp8 row's length) / fp8 round"] == \
+        pytest.approx((50 - (line(150e6) - 30)) / 100)
