@@ -82,6 +82,10 @@
 //   makes them); with N a multiple of 512 tiles t and t ^ 1 of a round are one m-tile, so A's
 //   k-blocks come in turns from either CTA, multicast into both (else each tile loads its own), and each CTA's consumers release a stage in both CTAs
 //   (DeepGEMM multicasts B over its clusters of two the same way). Measured slower (docs/PERF.md).
+// - -DP3F_UWG (with P3F_WIDE_BODY): the consumer's warpgroup index broadcast from lane 0, so
+//   ptxas computes the A stage's descriptors in uniform registers (no R2UR per k-block), and the
+//   weights' scales read through a pointer stepped per k-block: the steady k-block of a consumer
+//   warp is 107 SASS instructions instead of 124 (docs/PERF.md; not yet timed).
 // Internally P3F_PAIR (the 256-column tiles) is defined unless P3F_TILE128, P3F_PINGPONG (the
 // turns) unless P3F_NO_TURNS or P3F_TILE128 without P3F_TURNS.
 // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
@@ -599,6 +603,27 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
 
 #ifdef P3F_DUAL
 #define P3F_CONSUMER consumer_dual
+#ifdef P3F_UWG
+// The weights' scale of the tile for each k-block, read with ld.global.nc two k-blocks ahead
+// through a pointer stepped once per k-block (P3F_UWG: not recomputed from kb each time).
+struct ScaleB {
+    const float *q;
+    int kblocks;
+    float cur, next;
+    __device__ __forceinline__ ScaleB(const float *sbt, int kb_n)
+        : q(sbt + 2), kblocks(kb_n), cur(__ldg(sbt)), next(kb_n > 1 ? __ldg(sbt + 1) : 0.0f) {}
+    // the scale of k-block kb (called for kb = 0, 1, ... in order)
+    __device__ __forceinline__ float take(int kb)
+    {
+        const float v = cur;
+        cur = next;
+        if (kb + 2 < kblocks)
+            next = __ldg(q);
+        ++q;
+        return v;
+    }
+};
+#else
 // The weights' scale of the tile for each k-block, read with ld.global.nc two k-blocks ahead.
 struct ScaleB {
     const float *p;
@@ -616,6 +641,7 @@ struct ScaleB {
         return v;
     }
 };
+#endif
 
 // The promotion of k-block kb, whose wgmmas into acc were committed from stage s: waits until
 // at most PENDING wgmma groups of this warpgroup are in flight (the k-block's are then done),
@@ -680,6 +706,11 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
     asm volatile("mov.u32 %0, smem;" : "=r"(base));
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
     const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
+#ifdef P3F_UWG
+    // the warpgroup's index broadcast from lane 0: warp-uniform to ptxas, so the A stage's
+    // descriptor (its offset wg * 64 rows) is computed in uniform registers
+    wg = __shfl_sync(0xffffffffu, wg, 0);
+#endif
     const ConsumerAt<WN> at(base, wg, wq, lane);
     const uint32_t a_off = at.a_off, b_off = at.b_off;
     const int r0 = at.r0;

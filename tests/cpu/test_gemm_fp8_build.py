@@ -171,6 +171,19 @@ def test_multicast_variant_is_a_cluster_pair_releasing_at_cta_scope(tmp_path):
     assert "C7509" not in log and "C7510" not in log and "C7514" not in log, log
 
 
+def test_uniform_descriptor_variant_assembles_clean(tmp_path):
+    """The uwg variant (docs/PERF.md: prepared, not yet timed): the warpgroup index broadcast by
+    a shuffle (what lets ptxas keep the descriptors uniform), the wide kernel's setmaxnreg split,
+    and whole-program no stack, no spill, no serialised wgmma."""
+    text = _variant(tmp_path, "uwg")
+    assert "shfl.sync.idx.b32" in text and ".maxntid 512, 1, 1" in text
+    assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+);", text) == ["200"]
+    log = _assemble(text)
+    entry = log[log.index("Function properties for p3_gemm_fp8_send"):]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", entry.splitlines()[1]), log
+    assert "C7509" not in log and "C7510" not in log and "C7514" not in log, log
+
+
 #: the setmaxnreg variants: name -> (threads, registers of the producer's (and a fourth)
 #: warpgroup, of each consumer warpgroup)
 SETMAXNREG = {"dual": (384, 88, 208), "send_wg": (512, 96, 160)}
