@@ -80,8 +80,9 @@
 //   per consumer ptxas spilled them otherwise.
 // - -DP3F_MCAST (with P3F_WIDE_BODY): clusters of two CTAs (__cluster_dims__: a plain launch
 //   makes them); with N a multiple of 512 tiles t and t ^ 1 of a round are one m-tile, so A's
-//   k-blocks come in turns from either CTA, multicast into both (else each tile loads its own), and each CTA's consumers release a stage in both CTAs
-//   (DeepGEMM multicasts B over its clusters of two the same way). Measured slower (docs/PERF.md).
+//   k-blocks come in turns from either CTA, multicast into both (else each tile loads its own),
+//   and each CTA's consumers release a stage in both CTAs (DeepGEMM multicasts B over its
+//   clusters of two the same way). Measured slower (docs/PERF.md).
 // - -DP3F_UWG (with P3F_WIDE_BODY): the consumer's warpgroup index broadcast from lane 0, so
 //   ptxas computes the A stage's descriptors in uniform registers (no R2UR per k-block), and the
 //   weights' scales read through a pointer stepped per k-block: the steady k-block of a consumer
