@@ -95,12 +95,10 @@ def test_wide_inlined_module_has_no_stack_spills_or_serialised_wgmma():
     p3_send_rows), <= 128 registers (512 threads), setmaxnreg kept (no C7504), no serialised
     wgmma (C7509 / C7510), no C7514."""
     log = _assemble(WIDE.read_text())
-    entry = log[log.index("Function properties for p3_gemm_fp8_send_wide"):]
-    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", entry.splitlines()[1]), log
-    rows = log[log.index("Function properties for p3_send_rows"):]
-    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", rows.splitlines()[1]), log
+    entry = _no_spill(log, "p3_gemm_fp8_send_wide")
+    _no_spill(log, "p3_send_rows")
     assert int(re.search(r"Used (\d+) registers", entry).group(1)) <= 128, log
-    assert not [c for c in ("C7504", "C7509", "C7510", "C7514") if c in log], log
+    _none_of(log, "C7504", "C7509", "C7510", "C7514")
 
 
 def _ptxas():
@@ -112,6 +110,20 @@ def _ptxas():
     if ptxas is None:
         pytest.skip("no ptxas: neither the pinned nvcc wheel's nor one on PATH")
     return ptxas
+
+
+def _no_spill(log: str, func: str) -> str:
+    """Asserts ptxas ``-v``'s ``log`` gives function ``func`` no stack and no spill; returns
+    the log from that function's properties on (its register count follows)."""
+    at = log[log.index(f"Function properties for {func}"):]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", at.splitlines()[1]), log
+    return at
+
+
+def _none_of(log: str, *codes: str) -> None:
+    """Asserts no ptxas advisory of ``codes`` (C7504: setmaxnreg dropped; C7509 / C7510: wgmma
+    serialised around a call; C7514: serialised for accumulator reads) is in ``log``."""
+    assert not [c for c in codes if c in log], log
 
 
 def _assemble(text: str) -> str:
@@ -129,11 +141,10 @@ def _assemble(text: str) -> str:
 
 def test_inlined_module_has_no_stack_spills_or_serialised_wgmma():
     log = _assemble(PTX.read_text())
-    entry = log[log.index("Function properties for p3_gemm_fp8_send"):]
-    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", entry.splitlines()[1]), log
+    entry = _no_spill(log, "p3_gemm_fp8_send")
     regs = int(re.search(r"Used (\d+) registers", entry).group(1))
     assert regs <= 168, f"{regs} registers: 384 threads launch only with <= 168"
-    assert "C7509" not in log and "C7510" not in log and "C7504" not in log, log
+    _none_of(log, "C7509", "C7510", "C7504")
 
 
 def _variant(tmp_path, name: str, *, own_funcs: bool = False) -> str:
@@ -168,7 +179,7 @@ def test_multicast_variant_is_a_cluster_pair_releasing_at_cta_scope(tmp_path):
     assert "mbarrier.arrive.shared::cluster.b64" in text and ".release.cluster.shared::cluster" not in text
     assert text.count("barrier.cluster.arrive") == 2 and text.count("barrier.cluster.wait") == 2
     log = _assemble(text)
-    assert "C7509" not in log and "C7510" not in log and "C7514" not in log, log
+    _none_of(log, "C7509", "C7510", "C7514")
 
 
 def test_uniform_descriptor_variant_assembles_clean(tmp_path):
@@ -179,9 +190,8 @@ def test_uniform_descriptor_variant_assembles_clean(tmp_path):
     assert "shfl.sync.idx.b32" in text and ".maxntid 512, 1, 1" in text
     assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+);", text) == ["200"]
     log = _assemble(text)
-    entry = log[log.index("Function properties for p3_gemm_fp8_send"):]
-    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", entry.splitlines()[1]), log
-    assert "C7509" not in log and "C7510" not in log and "C7514" not in log, log
+    _no_spill(log, "p3_gemm_fp8_send")
+    _none_of(log, "C7509", "C7510", "C7514")
 
 
 #: the setmaxnreg variants: name -> (threads, registers of the producer's (and a fourth)
@@ -202,10 +212,9 @@ def test_setmaxnreg_variant_fits_the_launch_and_assembles_clean(tmp_path, name):
     entry_regs = 65536 // threads // 8 * 8
     assert (threads // 128 - 2) * 128 * producer + 2 * 128 * consumer <= threads * entry_regs
     log = _assemble(text)
-    entry = log[log.index("Function properties for p3_gemm_fp8_send"):]
-    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", entry.splitlines()[1]), log
+    entry = _no_spill(log, "p3_gemm_fp8_send")
     assert int(re.search(r"Used (\d+) registers", entry).group(1)) <= entry_regs
-    assert "C7509" not in log and "C7510" not in log and "C7504" not in log and "C7514" not in log, log
+    _none_of(log, "C7509", "C7510", "C7504", "C7514")
 
 
 def _assemble_relocatable(text: str) -> str:
@@ -229,7 +238,7 @@ def test_linked_route_serialises_the_wgmma_unless_the_mainloop_is_outlined(tmp_p
     assert "C7509" in _assemble_relocatable(PTX.read_text())
     text = _variant(tmp_path, "outline", own_funcs=True)
     log = _assemble_relocatable(text)
-    assert "C7509" not in log and "C7510" not in log and "C7514" not in log, log
+    _none_of(log, "C7509", "C7510", "C7514")
     missing = ptxlint.nvjitlink_missing()
     if missing:
         pytest.skip(missing)
