@@ -135,8 +135,9 @@ def round_ratios(med: dict, nbytes: dict, names: list) -> dict:
 
     FLOOR: the two bf16 rounds (the same kernels, no conversion) give the round's time as a
     line in its bytes, a fixed cost plus a cost per byte; the FP8 round's bytes on that line
-    are what it would take with a free quantiser and dequantiser, over the bf16 round: no
-    FP8 round of this structure is faster than that ratio."""
+    are what it would take with a free quantiser and dequantiser, over the bf16 round. That
+    is a floor for an FP8 round of this structure if every kind of byte costs the same (so
+    roughly when all ranks share one GPU's memory, as in this bench)."""
     b16, f8, same = (med[f"round, {n}"] for n in names)
     s16, s8, ssame = (med[f"sends, {n}"] for n in names)
     B16, B8, Bsame = (nbytes[f"round, {n}"] for n in names)
@@ -329,7 +330,6 @@ def fused_gemm(ctx) -> dict:
 
 #: the default FP8 GEMM quantising in its send warps (fp8_source="bf16"), a contender of the fused part
 BF16_SOURCE = "FP8 GEMM send-warp quantiser"
-
 
 
 #: Measurement variants of the FP8 GEMM (tools/build_gemm_fp8.py --variant) timed in the fused
