@@ -64,8 +64,6 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg
                                       GroupedGemmFp8Send.WIDE[1:], False),
                   "mcast": ("mcast: the wide kernel in clusters of two sharing A (multicast)",
                             GroupedGemmFp8Send.WIDE[1:], False),
-                  "uwg": ("uwg: the wide kernel with uniform descriptors and a stepped scale pointer",
-                          GroupedGemmFp8Send.WIDE[1:], False),
                   "send_wg": ("send_wg: 512 threads (7 send warps)", SEND_WG_SHAPE, False),
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
                   "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),

@@ -61,7 +61,7 @@ __device__ __forceinline__ void tma_load_pair(uint32_t dst, const TmaMap *map, u
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart
 // (rows of 128 bytes: 64 bf16 or 128 e4m3 elements of K).
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr)
+__device__ __forceinline__ constexpr uint64_t sw128_desc(uint32_t addr)
 {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
            ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
@@ -107,6 +107,24 @@ __device__ __forceinline__ Tile grouped_tile(int t, int n_tiles, int n_experts, 
     T.e = lo;
     T.m0 = offs[lo] + (mg - mpre[lo]) * bm;
     T.rows = min(bm, offs[lo + 1] - T.m0);
+    T.n0 = (t - mg * n_tiles) * bn;
+    return T;
+}
+
+// grouped_tile for a caller whose tiles t only grow (a persistent CTA's): the expert found by a
+// forward scan from the last one (e, updated; 0 at first), usually no step or one, and the
+// offsets read through the read-only cache (expert_offsets is unchanged during the launch),
+// instead of a binary search of dependent shared loads and two generic loads per tile.
+__device__ __forceinline__ Tile grouped_tile_after(int t, int n_tiles, int n_experts, const int *mpre,
+                                                   const int *offs, int bm, int bn, int &e)
+{
+    const int mg = t / n_tiles;
+    while (e + 1 < n_experts && mpre[e + 1] <= mg)
+        ++e;
+    Tile T;
+    T.e = e;
+    T.m0 = __ldg(offs + e) + (mg - mpre[e]) * bm;
+    T.rows = min(bm, __ldg(offs + e + 1) - T.m0);
     T.n0 = (t - mg * n_tiles) * bn;
     return T;
 }
@@ -260,6 +278,19 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[WN / 2], uint32_t base, 
                                            uint32_t ph, uint32_t a_off, uint32_t b_off, int acc_kb)
 {
     mbar_wait(full + 8 * s, ph);
+#ifdef P3G_DESC32
+    // the descriptors' low words only (sw128_desc's high word is a constant; shared-window
+    // addresses are below 2^18, so the low word never carries): one 32-bit add per operand and
+    // k-step, the stage's offset added to a loop-invariant base
+    const uint32_t la = (((base + a_off) & 0x3FFFF) >> 4 | 1u << 16) + s * (L::A_STAGE >> 4);
+    const uint32_t lb = (((base + L::OFF_B + b_off) & 0x3FFFF) >> 4 | 1u << 16) + s * (L::B_STAGE >> 4);
+    constexpr uint64_t HI = sw128_desc(0) & ~0xFFFFFFFFull;
+    fence_acc(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < L::KSTEPS; ++k)
+        wgmma_kstep<WN>(acc, HI | (la + 2 * k), HI | (lb + 2 * k), (acc_kb | k) != 0);
+#else
     const uint64_t da = sw128_desc(base + s * L::A_STAGE + a_off);
     const uint64_t db = sw128_desc(base + L::OFF_B + s * L::B_STAGE + b_off);
     fence_acc(acc);
@@ -267,6 +298,7 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[WN / 2], uint32_t base, 
 #pragma unroll
     for (int k = 0; k < L::KSTEPS; ++k)
         wgmma_kstep<WN>(acc, da + 2 * k, db + 2 * k, (acc_kb | k) != 0);
+#endif
     wgmma_commit();
 }
 

@@ -40,8 +40,8 @@
 // Two shipped kernels are built from this source: p3_gemm_fp8_send (ptx/p3_gemm_fp8_send.ptx,
 // no macro: 384 threads, the structure above) and p3_gemm_fp8_send_wide
 // (ptx/p3_gemm_fp8_send_wide.ptx, -DP3F_WIDE = P3F_DUAL + P3F_NO_TURNS + P3F_SEND_WG3 +
-// P3F_ELECT, setmaxnreg 24 / 88 / 200: 512 threads, two accumulator sets per consumer, four send
-// warps in a warpgroup of their own). The wide kernel is the faster one at 128-row tiles inlined
+// P3F_ELECT + P3G_DESC32, setmaxnreg 24 / 88 / 200: 512 threads, two accumulator sets per
+// consumer, four send warps in a warpgroup of their own). The wide kernel is the faster one at 128-row tiles inlined
 // (docs/PERF.md: its two accumulators overlap each warpgroup's promotion with its own wgmmas, and
 // the fused launch, bound by three send warps once the mainloop is that fast, needs more send
 // warps, with the registers p3_send_rows needs: 88, not the 56 that seven of them share); the
@@ -83,10 +83,6 @@
 //   k-blocks come in turns from either CTA, multicast into both (else each tile loads its own),
 //   and each CTA's consumers release a stage in both CTAs (DeepGEMM multicasts B over its
 //   clusters of two the same way). Measured slower (docs/PERF.md).
-// - -DP3F_UWG (with P3F_WIDE_BODY): the consumer's warpgroup index broadcast from lane 0, so
-//   ptxas computes the A stage's descriptors in uniform registers (no R2UR per k-block), and the
-//   weights' scales read through a pointer stepped per k-block: the steady k-block of a consumer
-//   warp is 107 SASS instructions instead of 124 (docs/PERF.md; not yet timed).
 // Internally P3F_PAIR (the 256-column tiles) is defined unless P3F_TILE128, P3F_PINGPONG (the
 // turns) unless P3F_NO_TURNS or P3F_TILE128 without P3F_TURNS.
 // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
@@ -200,6 +196,9 @@
 // TIMEOUT none: never waits on another kernel or GPU (mbarrier waits are on its own copies).
 //
 // ---- end ptx/p3_gemm_fp8_send_wide.ptx header ----
+#if defined(P3F_WIDE) || defined(P3F_WIDE_BODY)
+#define P3G_DESC32                                // the wide kernel's: p3_gemm_common.cuh says what
+#endif
 #include "p3_gemm_common.cuh"                     // and ../p3send.h
 
 #ifdef P3F_WIDE                                   // the shipped wide kernel (above) ...
@@ -604,9 +603,9 @@ P3F_CONSUMER_INLINE void consumer(uint32_t base, int wg, int wq, int lane, int t
 
 #ifdef P3F_DUAL
 #define P3F_CONSUMER consumer_dual
-#ifdef P3F_UWG
 // The weights' scale of the tile for each k-block, read with ld.global.nc two k-blocks ahead
-// through a pointer stepped once per k-block (P3F_UWG: not recomputed from kb each time).
+// through a pointer stepped once per k-block (not recomputed from kb: fewer instructions in the
+// consumers' stream, which bounds this kernel: docs/PERF.md).
 struct ScaleB {
     const float *q;
     int kblocks;
@@ -624,25 +623,6 @@ struct ScaleB {
         return v;
     }
 };
-#else
-// The weights' scale of the tile for each k-block, read with ld.global.nc two k-blocks ahead.
-struct ScaleB {
-    const float *p;
-    int kblocks;
-    float cur, next;
-    __device__ __forceinline__ ScaleB(const float *sbt, int kb_n)
-        : p(sbt), kblocks(kb_n), cur(__ldg(sbt)), next(kb_n > 1 ? __ldg(sbt + 1) : 0.0f) {}
-    // the scale of k-block kb (called for kb = 0, 1, ... in order)
-    __device__ __forceinline__ float take(int kb)
-    {
-        const float v = cur;
-        cur = next;
-        if (kb + 2 < kblocks)
-            next = __ldg(p + kb + 2);
-        return v;
-    }
-};
-#endif
 
 // The promotion of k-block kb, whose wgmmas into acc were committed from stage s: waits until
 // at most PENDING wgmma groups of this warpgroup are in flight (the k-block's are then done),
@@ -707,19 +687,21 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
     asm volatile("mov.u32 %0, smem;" : "=r"(base));
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
     const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
-#ifdef P3F_UWG
     // the warpgroup's index broadcast from lane 0: warp-uniform to ptxas, so the A stage's
-    // descriptor (its offset wg * 64 rows) is computed in uniform registers
+    // descriptor (its offset wg * 64 rows) is computed in uniform registers (else 9 R2UR per
+    // k-block; measured 0.93x the time: docs/PERF.md)
     wg = __shfl_sync(0xffffffffu, wg, 0);
-#endif
     const ConsumerAt<WN> at(base, wg, wq, lane);
     const uint32_t a_off = at.a_off, b_off = at.b_off;
     const int r0 = at.r0;
     const uint32_t full = at.full, empty = at.empty, staged = at.staged, freed = at.freed, stg = at.stg;
     uint32_t s = 0, ph = 0, i = 0;
+    int e_at = 0;                                   // grouped_tile_after's expert
     turns_begin(wg, (int)blockIdx.x < total);
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++i) {
-        const Tile T = grouped_tile(t, n_tiles, n_experts, mp, offs, bm, Layout::BN);
+        // (not grouped_tile: its search, on the consumers' path between two tiles, delayed the
+        // next tile's first wgmmas; measured 0.98x the time: docs/PERF.md)
+        const Tile T = grouped_tile_after(t, n_tiles, n_experts, mp, offs, bm, Layout::BN, e_at);
 #ifdef P3F_PAIR
         const int halves = min(Layout::HALVES, n_col_blocks - T.n0 / SBLK);
 #pragma unroll 1
