@@ -810,6 +810,8 @@ __device__ __forceinline__ int lane_id()
 // Whether the consumers quantise their fp32 sums (stage_tile_fp8): P3_FLAG_WIRE_FP8_STAGED and the
 // send on (cfg.n_ranks loaded as the send warps load it). Read in the consumers' branch, after
 // setmaxnreg: held from the entry, it would live across it.
+// (The ld.param of cfg.n_ranks is written out here and at the two send-warp call sites: one
+// helper shared by the three made ptxas spill 4 bytes in the wide kernel.)
 __device__ __forceinline__ bool consumers_quantise(const P3SendCtx *ctx)
 {
     int64_t n_ranks;
