@@ -282,6 +282,7 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[WN / 2], uint32_t base, 
     // the descriptors' low words only (sw128_desc's high word is a constant; shared-window
     // addresses are below 2^18, so the low word never carries): one 32-bit add per operand and
     // k-step, the stage's offset added to a loop-invariant base
+    static_assert(L::SMEM <= 1 << 18, "P3G_DESC32: shared-window addresses below 2^18");
     const uint32_t la = (((base + a_off) & 0x3FFFF) >> 4 | 1u << 16) + s * (L::A_STAGE >> 4);
     const uint32_t lb = (((base + L::OFF_B + b_off) & 0x3FFFF) >> 4 | 1u << 16) + s * (L::B_STAGE >> 4);
     constexpr uint64_t HI = sw128_desc(0) & ~0xFFFFFFFFull;

@@ -689,7 +689,7 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
     const int *mp = reinterpret_cast<const int *>(smem + Layout::OFF_MPRE);
     // the warpgroup's index broadcast from lane 0: warp-uniform to ptxas, so the A stage's
     // descriptor (its offset wg * 64 rows) is computed in uniform registers (else 9 R2UR per
-    // k-block; measured 0.93x the time: docs/PERF.md)
+    // k-block; with ScaleB's stepped pointer, measured 0.93x the time: docs/PERF.md)
     wg = __shfl_sync(0xffffffffu, wg, 0);
     const ConsumerAt<WN> at(base, wg, wq, lane);
     const uint32_t a_off = at.a_off, b_off = at.b_off;
