@@ -114,7 +114,10 @@ __device__ __forceinline__ Tile grouped_tile(int t, int n_tiles, int n_experts, 
 // grouped_tile for a caller whose tiles t only grow (a persistent CTA's): the expert found by a
 // forward scan from the last one (e, updated; 0 at first), usually no step or one, and the
 // offsets read through the read-only cache (expert_offsets is unchanged during the launch),
-// instead of a binary search of dependent shared loads and two generic loads per tile.
+// instead of a binary search of dependent shared loads and two generic loads per tile. Used by
+// the wide FP8 kernel's consumers, on whose path between two tiles the search sat (docs/PERF.md,
+// Session 9); the producer runs stages ahead and the send warps overlap the next tile, so they,
+// and the other GEMMs, keep grouped_tile.
 __device__ __forceinline__ Tile grouped_tile_after(int t, int n_tiles, int n_experts, const int *mpre,
                                                    const int *offs, int bm, int bn, int &e)
 {
@@ -281,25 +284,26 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[WN / 2], uint32_t base, 
 #ifdef P3G_DESC32
     // the descriptors' low words only (sw128_desc's high word is a constant; shared-window
     // addresses are below 2^18, so the low word never carries): one 32-bit add per operand and
-    // k-step, the stage's offset added to a loop-invariant base
+    // k-step, the stage's offset added to a loop-invariant base. Defined by the wide FP8 kernel,
+    // whose consumers' instruction stream bounds it (docs/PERF.md, Session 9); the other GEMMs
+    // keep the 64-bit form, as measured and verified
     static_assert(L::SMEM <= 1 << 18, "P3G_DESC32: shared-window addresses below 2^18");
     const uint32_t la = (((base + a_off) & 0x3FFFF) >> 4 | 1u << 16) + s * (L::A_STAGE >> 4);
     const uint32_t lb = (((base + L::OFF_B + b_off) & 0x3FFFF) >> 4 | 1u << 16) + s * (L::B_STAGE >> 4);
     constexpr uint64_t HI = sw128_desc(0) & ~0xFFFFFFFFull;
-    fence_acc(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < L::KSTEPS; ++k)
-        wgmma_kstep<WN>(acc, HI | (la + 2 * k), HI | (lb + 2 * k), (acc_kb | k) != 0);
+    const auto da = [=](int k) { return HI | (la + 2 * k); };
+    const auto db = [=](int k) { return HI | (lb + 2 * k); };
 #else
-    const uint64_t da = sw128_desc(base + s * L::A_STAGE + a_off);
-    const uint64_t db = sw128_desc(base + L::OFF_B + s * L::B_STAGE + b_off);
+    const uint64_t a0 = sw128_desc(base + s * L::A_STAGE + a_off);
+    const uint64_t b0 = sw128_desc(base + L::OFF_B + s * L::B_STAGE + b_off);
+    const auto da = [=](int k) { return a0 + 2 * k; };
+    const auto db = [=](int k) { return b0 + 2 * k; };
+#endif
     fence_acc(acc);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < L::KSTEPS; ++k)
-        wgmma_kstep<WN>(acc, da + 2 * k, db + 2 * k, (acc_kb | k) != 0);
-#endif
+        wgmma_kstep<WN>(acc, da(k), db(k), (acc_kb | k) != 0);
     wgmma_commit();
 }
 

@@ -41,8 +41,9 @@
 // no macro: 384 threads, the structure above) and p3_gemm_fp8_send_wide
 // (ptx/p3_gemm_fp8_send_wide.ptx, -DP3F_WIDE = P3F_DUAL + P3F_NO_TURNS + P3F_SEND_WG3 +
 // P3F_ELECT + P3G_DESC32, setmaxnreg 24 / 88 / 200: 512 threads, two accumulator sets per
-// consumer, four send warps in a warpgroup of their own). The wide kernel is the faster one at 128-row tiles inlined
-// (docs/PERF.md: its two accumulators overlap each warpgroup's promotion with its own wgmmas, and
+// consumer, four send warps in a warpgroup of their own). The wide kernel is the faster one at
+// 128-row tiles inlined (docs/PERF.md: its two accumulators overlap each warpgroup's promotion
+// with its own wgmmas, and
 // the fused launch, bound by three send warps once the mainloop is that fast, needs more send
 // warps, with the registers p3_send_rows needs: 88, not the 56 that seven of them share); the
 // 384-thread kernel is the one for 64-row tiles and for the linked route (ptxas drops setmaxnreg
