@@ -6,8 +6,15 @@ ranks). Every round checked first (bf16 against the oracle, FP8 byte for byte ag
 timed as graph replays, all contenders in turns (medians).
 
     PYTHONPATH=. python3 experiments/decode_shares.py
+    PYTHONPATH=. python3 experiments/decode_shares.py --profile fp8     # for a profiler: see below
+
+``--profile WIRE`` (bf16 or fp8) only builds the default share of that wire, runs three rounds,
+checks them and exits, for Nsight Compute (docs/PERF.md, "The FP8 wire", Session 10): the
+third round's first sender is launch 16 of its kernel.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -21,15 +28,17 @@ dev = driver.Device(0)
 seed = int(np.random.default_rng().integers(1 << 31))
 print("seed", seed)
 world = world_case(n_ranks=8, tokens=128, top_k=8, n_local=32, hidden=7168, seed=seed)
-shares = [None, 8, 12, 16, 24, 33, 48, 66, 132]
+profile = sys.argv[sys.argv.index("--profile") + 1] if "--profile" in sys.argv else None
+shares = [None] if profile else [None, 8, 12, 16, 24, 33, 48, 66, 132]
 combs, graphs, fns = {}, [], {}
 s = driver.Stream()
-for w in ("bf16", "fp8"):
+for w in (profile,) if profile else ("bf16", "fp8"):
     for share in shares:
         c = Combine(8, max_tokens=128, top_k=8, hidden=7168, n_local_experts=32, device=dev, stamps=False,
                     guard=True, wire=w, num_sms=share)
         c.load(world)
-        c.round()
+        for _ in range(3 if profile else 1):
+            c.round()
         p = fp8_round_problems(world, c) if w == "fp8" else check_world(
             world, lambda r, c=c: c.recv_view(r, with_guard=True), c.output, guard=c.guard, recv_bytes=c.recv_bytes)
         name = f"{w} send SMs {c.senders[0].grid}"
@@ -44,6 +53,8 @@ for w in ("bf16", "fp8"):
         graphs += [g1, g2]
         fns["round, " + name] = lambda i, g=g1: g.launch(s)
         fns["sends, " + name] = lambda i, g=g2: g.launch(s)
+if profile:
+    raise SystemExit(0 if combs else 1)
 t = Timer(s, hold=True).interleaved(fns, rounds=20, per_round=4, warmup=3)
 for k, v in t.items():
     print(f"{k:40s} {v['median_us']:8.1f} us")
