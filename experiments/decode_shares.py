@@ -14,7 +14,7 @@ third round's first sender is launch 16 of its kernel.
 """
 from __future__ import annotations
 
-import sys
+import argparse
 
 import numpy as np
 
@@ -24,11 +24,14 @@ from p3send.oracle.cases import world_case, check_world
 from p3send.bench.wire import fp8_round_problems
 from p3send.bench.timing import Timer
 
+ap = argparse.ArgumentParser(description="the one-GPU decode round by send SMs per rank")
+ap.add_argument("--profile", choices=("bf16", "fp8"),
+                help="three checked rounds of this wire's default share, no timing")
+profile = ap.parse_args().profile
 dev = driver.Device(0)
 seed = int(np.random.default_rng().integers(1 << 31))
 print("seed", seed)
 world = world_case(n_ranks=8, tokens=128, top_k=8, n_local=32, hidden=7168, seed=seed)
-profile = sys.argv[sys.argv.index("--profile") + 1] if "--profile" in sys.argv else None
 shares = [None] if profile else [None, 8, 12, 16, 24, 33, 48, 66, 132]
 combs, graphs, fns = {}, [], {}
 s = driver.Stream()
@@ -49,11 +52,15 @@ for w in (profile,) if profile else ("bf16", "fp8"):
         if p:
             continue
         combs[name] = c
+        if profile:                        # a profiler wants the rounds only
+            continue
         g1, g2 = c.capture(), c.capture(receive=False)
         graphs += [g1, g2]
         fns["round, " + name] = lambda i, g=g1: g.launch(s)
         fns["sends, " + name] = lambda i, g=g2: g.launch(s)
 if profile:
+    for c in combs.values():
+        c.close()
     raise SystemExit(0 if combs else 1)
 t = Timer(s, hold=True).interleaved(fns, rounds=20, per_round=4, warmup=3)
 for k, v in t.items():
