@@ -190,10 +190,11 @@ class ScatterSend(SendLauncher):
     TILE_THREADS = 128
     TILE_VECTORS = 8
     #: the FP8 wire's launch: 12 warps a CTA (.maxntid 384 with .minnctapersm 1: up to 168
-    #: registers a thread, so the quantiser's two blocks in flight need no spills),
-    #: FP8_WARP_BYTES of shared memory each (its PTX header: two stages of 4 rows x 1024
-    #: columns, the ctx, the acct, two mbarriers); the shape measured best of those timed
-    #: side by side (docs/PERF.md, "The FP8 wire")
+    #: registers a thread, so the quantiser's two blocks in flight need no spills, also with
+    #: p3_send_rows compiled apart as the NVSHMEM link does: 13 warps or more cap it at 128),
+    #: FP8_WARP_BYTES of shared memory each (its PTX header: the ctx, the acct, an mbarrier,
+    #: one stage of 4 rows x up to 2048 columns: 1792 at hidden 7168); the shape measured
+    #: best of those timed side by side (docs/PERF.md, "The FP8 wire")
     FP8_THREADS = 384
     FP8_WARP_BYTES = 16640
     FP8_SMEM = FP8_WARP_BYTES * FP8_THREADS // 32

@@ -18,8 +18,9 @@ H200_SMEM_OPTIN = 232448      # 227 KiB: sm_90's opt-in maximum per block
 def test_the_fp8_launch_shape_is_the_headers():
     text = (PTX_DIR / "p3_scatter_send_fp8.ptx").read_text()
     consts = ptxlint.header_constants(text.splitlines())
-    assert consts["FP8_WARP_BYTES"] == ScatterSend.FP8_WARP_BYTES
+    assert int(consts["FP8_MIN_WARP_BYTES"]) == 256 + 4 * 512 <= ScatterSend.FP8_WARP_BYTES
     assert ScatterSend.FP8_SMEM == ScatterSend.FP8_WARP_BYTES * ScatterSend.FP8_THREADS // 32
+    assert ScatterSend.FP8_WARP_BYTES % 16 == 0
     assert ScatterSend.FP8_THREADS % 32 == 0 and ScatterSend.FP8_SMEM <= H200_SMEM_OPTIN
     maxntid = int(re.search(r"^\.maxntid (\d+), 1, 1", text, re.M).group(1))
     assert ScatterSend.FP8_THREADS <= maxntid
@@ -35,3 +36,18 @@ def test_msg_bytes_over_33_by_a_multiply_high_is_exact_where_it_is_used():
         assert "mul.hi.u32" in (PTX_DIR / f).read_text() and str(magic) in (PTX_DIR / f).read_text(), f
     x = np.arange(1 << 21, dtype=np.uint64)          # the checks refuse msg_bytes > 2^20
     assert np.array_equal((x * np.uint64(magic)) >> np.uint64(32), x // np.uint64(33))
+
+
+def fp8_tile_columns(hidden: int, warp_bytes: int) -> int:
+    """The header's rule: the widest multiple of 256 columns dividing hidden whose 4 bf16 rows
+    fit the warp's stage (8*W <= warp_bytes - 256), at most 2048."""
+    fit = min(8, (warp_bytes - 256) // 2048)
+    return 256 * max(u for u in range(1, fit + 1) if (hidden // 256) % u == 0)
+
+
+def test_the_shipped_launch_takes_the_tiles_the_header_states():
+    # p3send's launch: W 1792 at hidden 7168 (4 resolutions a row), 2048 at 8192
+    assert fp8_tile_columns(7168, ScatterSend.FP8_WARP_BYTES) == 1792
+    assert fp8_tile_columns(8192, ScatterSend.FP8_WARP_BYTES) == 2048
+    text = " ".join(line.lstrip("/ ") for line in (PTX_DIR / "p3_scatter_send_fp8.ptx").read_text().splitlines())
+    assert f"P = {ScatterSend.FP8_WARP_BYTES}: W 1792 at hidden 7168, 2048 at 8192" in text

@@ -48,6 +48,10 @@ def main() -> int:
         case = fp8_case(family, 9100 + i, hidden=512 * (1 + i % 2), pad=8)
         assert_send_exact(run_send(dev, case, row_cache=bool(i % 2), sender_factory=lambda c: Fp8Scatter(dev, c, 4)))
         print("scatter fp8 ok", case, flush=True)
+        # a narrow launch: 2 warps of 4352 bytes, tiles of 4 x 512, several a warp, the stage refilled
+        case = fp8_case(family, 9150 + i, hidden=1536, pad=0)
+        assert_send_exact(run_send(dev, case, sender_factory=lambda c: Fp8Scatter(dev, c, 2, (64, 2 * 4352))))
+        print("scatter fp8 narrow launch ok", case, flush=True)
         case = fp8_epilogue_case(family, 9200 + i, hidden=512)
         geometry = dict(bm=16, bn=256, num_stages=2, send_warps=1 if i % 2 else 0, epilogue_warps=2, grid=4)
         assert_send_exact(run_send(dev, case, sender_factory=lambda c: Fp8Epilogue(dev, c, **geometry)))

@@ -81,8 +81,10 @@ def fp8_case(family: str, seed: int, hidden: int | None = None, kinds=KINDS, pad
 class Fp8Scatter:
     """ScatterSend(wire="fp8") of case.c_bf16, as run_send's sender_factory."""
 
-    def __init__(self, dev, case, num_sms=None):
+    def __init__(self, dev, case, num_sms=None, launch=None):
         self.s = ScatterSend(case.n_experts, device=dev, num_sms=num_sms)
+        if launch:               # (threads, dynamic shared memory): another launch shape than p3send's
+            self.s.FP8_THREADS, self.s.FP8_SMEM = launch
         self.grid, self.state = self.s.grid, self.s.state
         self.c = driver.DeviceBuffer.from_array(np.ascontiguousarray(case.c_bf16))
 
@@ -113,6 +115,20 @@ def test_scatter_fp8_dsv3_hidden_and_budget(dev):
         assert_send_exact(run_send(dev, case, sender_factory=lambda c: Fp8Scatter(dev, c, num_sms)))
 
 
+# (warps, shared memory a CTA, hidden): the kernel's tile is the widest multiple of 256 columns
+# dividing hidden whose 4 bf16 rows fit the warp's share less 256 bytes, at most 2048 (its
+# header): W 256, 512, 1280, 1536, 2048 and 1792 here, one warp to p3send's 12, a share that is
+# no multiple of 16
+LAUNCH_SHAPES = ((1, 2304, 7168), (2, 2 * 4352, 1536), (4, 4 * 10496, 2560), (3, 3 * 14592, 1536),
+                 (12, 12 * 16640, 2048), (5, 5 * 16640 + 40, 7168))
+
+
+@pytest.mark.parametrize("warps,smem,hidden", LAUNCH_SHAPES)
+def test_scatter_fp8_any_launch_shape_sends_the_same_bytes(dev, warps, smem, hidden):
+    case = fp8_case("skewed", fresh_seed(f"scatter fp8 {warps} warps {smem} B h{hidden}"), hidden=hidden)
+    assert_send_exact(run_send(dev, case, sender_factory=lambda c: Fp8Scatter(dev, c, 2, (32 * warps, smem))))
+
+
 def test_scatter_fp8_one_row_every_edge_kind(dev):
     for kind in KINDS:
         case = fp8_case("one_row", fresh_seed(f"scatter fp8 one row {kind}"), kinds=(kind,))
@@ -126,9 +142,9 @@ def test_scatter_fp8_gated_writes_nothing(dev):
     assert all((r == 0xAB).all() for r in run.recv)
 
 
-def _raw_launch(dev, case, cfg_msg, entry_flags, entry="p3_scatter_send_fp8"):
-    """Launch an entry with p3_scatter_send's parameters directly (no host check); returns
-    (receive buffer bytes, diag)."""
+def _raw_launch(dev, case, cfg_msg, entry_flags, entry="p3_scatter_send_fp8", threads=None, smem=None):
+    """Launch an entry with p3_scatter_send's parameters directly (no host check), in p3send's
+    launch shape or (threads, smem); returns (receive buffer bytes, diag)."""
     # sized for the larger of the two slot sizes: a kernel that failed to refuse stays in the buffer
     rbytes = case.max_tokens_per_rank * case.top_k * max(cfg_msg, case.msg_bytes)
     recv = driver.DeviceBuffer(rbytes + 2 * GUARD, fill=0xAB)
@@ -142,13 +158,14 @@ def _raw_launch(dev, case, cfg_msg, entry_flags, entry="p3_scatter_send_fp8"):
         cfg = rank_config(n_ranks=1, my_rank=0, p2p_world_size=1, recv_bufs=[recv.ptr + GUARD], top_k=case.top_k,
                           msg_bytes=cfg_msg, max_tokens=case.max_tokens_per_rank, range_table=rtab, src_info=src)
         k = loader.kernel(entry, dev)
-        smem = ScatterSend.FP8_SMEM if entry.endswith("fp8") else 192 * 1024
+        smem = smem or (ScatterSend.FP8_SMEM if entry.endswith("fp8") else 192 * 1024)
+        threads = threads or (ScatterSend.FP8_THREADS if entry.endswith("fp8") else 1024)
         driver.set_max_dynamic_smem(k.func, smem)
         blk = k.params_block(cfg=cfg, count_ptrs=[0] * 8, c_ptr=c, c_row_stride=2 * case.c_bf16.shape[1],
                              expert_offsets=offs, state_ptr=state, diag_ptr=diag, n_experts=case.n_experts,
                              flags=entry_flags, p3_control=0)
         s = driver.Stream()
-        blk.launch((4,), (ScatterSend.FP8_THREADS if entry.endswith("fp8") else 1024,), s, smem)
+        blk.launch((4,), (threads,), s, smem)
         s.synchronize()
         return recv.download(), send_ops.read_diagnostics(diag, False)
     finally:
@@ -167,6 +184,13 @@ def test_devices_refuse_a_wrong_wire_without_writing(dev):
         got, diag = _raw_launch(dev, case, msg, flags, entry)
         assert diag["rejected"], f"{entry} msg={msg} flags={flags}: not rejected"
         assert (got == 0xAB).all(), f"{entry} msg={msg} flags={flags}: wrote into the receive buffer"
+    # too little shared memory for a warp (2304 bytes: the ctx, acct, mbarrier and a 4 x 256
+    # tile), or a partial warp: refused, nothing written; 2304 bytes a warp is enough
+    for threads, smem, refused in ((128, 4 * 2304 - 16, True), (48, 2 * 2304, True), (128, 4 * 2304, False)):
+        got, diag = _raw_launch(dev, case, case.msg_bytes, FLAG_WIRE_FP8, threads=threads, smem=smem)
+        assert diag["rejected"] == refused, f"{threads} threads, {smem} B: rejected {diag['rejected']}"
+        if refused:
+            assert (got == 0xAB).all(), f"{threads} threads, {smem} B: wrote into the receive buffer"
 
 
 def test_launchers_refuse_a_wrong_msg_bytes_before_launch(dev):
