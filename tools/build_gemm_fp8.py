@@ -33,6 +33,8 @@ VARIANTS = {"no_promote": ["-DP3F_NO_PROMOTE"], "dual": ["-DP3F_DUAL", "-DP3F_NO
             "dual_sw": ["-DP3F_DUAL", "-DP3F_NO_TURNS", "-DP3F_SEND_WG", "-DP3F_REGS_PRODUCER=56",
                         "-DP3F_REGS_CONSUMER=200"],
             "wide_no_promote": ["-DP3F_WIDE_BODY", "-DP3F_NO_PROMOTE"], "mcast": ["-DP3F_WIDE_BODY", "-DP3F_MCAST"],
+            "wide_t128": ["-DP3F_WIDE_BODY", "-DP3F_TILE128"],
+            "mcast_t128": ["-DP3F_WIDE_BODY", "-DP3F_TILE128", "-DP3F_MCAST"],
             "send_wg": ["-DP3F_SEND_WG"], "outline": ["-DP3F_OUTLINE"], "no_turns": ["-DP3F_NO_TURNS"],
             "tile128": ["-DP3F_TILE128"], "tile128_turns": ["-DP3F_TILE128", "-DP3F_TURNS"],
             "tile128_dual": ["-DP3F_TILE128", "-DP3F_DUAL"],

@@ -51,6 +51,9 @@ SAMPLE_ROWS = 48
 #: the launch shape of the variants with seven send warps (P3F_SEND_WG): 512 threads, the
 #: shipped dynamic shared memory and four more P3SendAcct of 48 bytes
 SEND_WG_SHAPE = (512, 201956 + 4 * 48)
+#: the wide kernel's structure at 128 x 128 tiles (P3F_TILE128: 5 stages, 272-byte staged rows,
+#: and a fourth P3SendAcct)
+WIDE_T128_SHAPE = (512, 202612 + 48)
 #: Variants timed gated and fused beside the shipped kernel when their PTX is in the
 #: P3SEND_FP8_VARIANTS folder: name -> (label (no commas: P3SEND_FP8_SKIP's separator), launch
 #: shape (threads, dynamic shared memory) or None, linked through cuLink (else inlined))
@@ -64,6 +67,9 @@ SHAPE_VARIANTS = {"dual": ("dual: two accumulator sets without turns (setmaxnreg
                                       GroupedGemmFp8Send.WIDE[1:], False),
                   "mcast": ("mcast: the wide kernel in clusters of two sharing A (multicast)",
                             GroupedGemmFp8Send.WIDE[1:], False),
+                  "wide_t128": ("wide_t128: the wide kernel at 128 x 128 tiles (5 stages)", WIDE_T128_SHAPE, False),
+                  "mcast_t128": ("mcast_t128: wide_t128 in clusters of two sharing A (multicast)", WIDE_T128_SHAPE,
+                                 False),
                   "send_wg": ("send_wg: 512 threads (7 send warps)", SEND_WG_SHAPE, False),
                   "outline": ("outline: consumer outlined and linked (cuLink)", None, True),
                   "no_turns": ("no_turns: the consumers' k-blocks not in turns", None, False),

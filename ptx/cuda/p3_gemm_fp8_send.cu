@@ -75,7 +75,8 @@
 //   12..15) with registers of their own (P3F_REGS_WG3), warps 1..3 exit after the set-up and the
 //   producer's warpgroup keeps P3F_REGS_PRODUCER (24: one thread issuing copies).
 // - -DP3F_WIDE_BODY: the wide kernel's macros above under p3_gemm_fp8_send's name (-DP3F_WIDE
-//   is this and the name p3_gemm_fp8_send_wide), for variants of the wide kernel.
+//   is this and the name p3_gemm_fp8_send_wide), for variants of the wide kernel; with
+//   P3F_TILE128 (variant wide_t128) on 128 x 128 tiles, 5 stages, 202,660 bytes.
 // - -DP3F_ELECT: no register holds the lane through the mainloops (an elected lane arrives on
 //   the empty barrier, the lane and the staged tile's address read afresh): at 200 registers
 //   per consumer ptxas spilled them otherwise.
@@ -83,7 +84,8 @@
 //   makes them); with N a multiple of 512 tiles t and t ^ 1 of a round are one m-tile, so A's
 //   k-blocks come in turns from either CTA, multicast into both (else each tile loads its own),
 //   and each CTA's consumers release a stage in both CTAs (DeepGEMM multicasts B over its
-//   clusters of two the same way). Measured slower (docs/PERF.md).
+//   clusters of two the same way). Measured slower (docs/PERF.md). With P3F_TILE128 too
+//   (variant mcast_t128) the pairs are adjacent 128-column tiles (N a multiple of 256), 5 stages.
 // Internally P3F_PAIR (the 256-column tiles) is defined unless P3F_TILE128, P3F_PINGPONG (the
 // turns) unless P3F_NO_TURNS or P3F_TILE128 without P3F_TURNS.
 // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch
@@ -714,7 +716,8 @@ __device__ __forceinline__ void consumer_dual(uint32_t, int wg, int wq, int, int
         const uint32_t sa_row = 4 * (r0 + (T.m0 & 3));
 #ifdef P3F_MCAST
         // the CTA whose producer may write this CTA's stages besides its own (produce's pair)
-        const uint32_t peer = (blockIdx.x & 1) ^ (uint32_t)(n_col_blocks % 4 == 0 && (t | 1) < total);
+        const uint32_t peer = (blockIdx.x & 1) ^ (uint32_t)(n_col_blocks % (2 * Layout::BN / SBLK) == 0 &&
+                                                           (t | 1) < total);
 #else
         constexpr uint32_t peer = 0;
 #endif
@@ -823,8 +826,8 @@ __device__ __forceinline__ bool consumers_quantise(const P3SendCtx *ctx)
 #ifdef P3F_MCAST
 // P3F_MCAST: clusters of two CTAs (launched so by the driver: the entry says it, no launch
 // attribute), a pair of tiles' A loaded once for both (produce's pair)
-#if !defined(P3F_WIDE_BODY) || !defined(P3F_PAIR)
-#error "P3F_MCAST is a variant of the wide kernel's structure (P3F_WIDE_BODY, 256-column tiles: the consumers' pairing test)"
+#if !defined(P3F_WIDE_BODY)
+#error "P3F_MCAST is a variant of the wide kernel's structure (P3F_WIDE_BODY)"
 #endif
 #define P3F_CLUSTER __cluster_dims__(2, 1, 1)
 #else

@@ -167,13 +167,15 @@ def test_no_promote_variant_builds(tmp_path):
     _variant(tmp_path, "no_promote")
 
 
-def test_multicast_variant_is_a_cluster_pair_releasing_at_cta_scope(tmp_path):
-    """The mcast variant (docs/PERF.md: measured slower, kept to reproduce it): clusters of two
-    CTAs fixed in the entry (so a plain cuLaunchKernel launches them), A multicast into both,
-    each stage released in both CTAs at CTA scope (a .release.cluster arrive is a MEMBAR.GPU
-    that waited for the wgmmas in flight: twice the time), the cluster barrier at set-up and
-    exit; assembled whole-program with no wgmma serialised."""
-    text = _variant(tmp_path, "mcast")
+@pytest.mark.parametrize("name", ["mcast", "mcast_t128"])
+def test_multicast_variant_is_a_cluster_pair_releasing_at_cta_scope(tmp_path, name):
+    """The mcast variants (docs/PERF.md: measured slower, kept to reproduce it; mcast_t128 on
+    128 x 128 tiles): clusters of two CTAs fixed in the entry (so a plain cuLaunchKernel
+    launches them), A multicast into both, each stage released in both CTAs at CTA scope (a
+    .release.cluster arrive is a MEMBAR.GPU that waited for the wgmmas in flight: twice the
+    time), the cluster barrier at set-up and exit; assembled whole-program with no wgmma
+    serialised."""
+    text = _variant(tmp_path, name)
     assert ".reqnctapercluster 2, 1, 1" in text and ".explicitcluster" in text
     assert "complete_tx::bytes.multicast::cluster" in text
     assert "mbarrier.arrive.shared::cluster.b64" in text and ".release.cluster.shared::cluster" not in text
