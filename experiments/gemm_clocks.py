@@ -25,10 +25,10 @@ import time
 import numpy as np
 
 from p3send.abi.config import rank_config
-from p3send.bench.gemm_fp8 import SHAPES, _deep_gemm, rows_per_expert
+from p3send.bench.gemm_fp8 import SHAPES, _deep_gemm, gemm_inputs, rows_per_expert
 from p3send.cuda import driver
 from p3send.ops.gemm_fp8 import GroupedGemmFp8Send
-from p3send.ops.quant import QuantFp8, scale_layout
+from p3send.ops.quant import QuantFp8
 from p3send.oracle import fp8 as ref8
 
 N, K = 7168, 2048
@@ -38,27 +38,17 @@ REASONS = {0x1: "idle", 0x2: "app clocks", 0x4: "sw power cap", 0x8: "hw slowdow
 
 
 def inputs(torch, name: str, seed: int):
-    """The section's inputs at ``name``: A quantised by p3_quant_fp8, random e4m3 weights and scales."""
+    """The section's inputs at ``name`` (gemm_inputs), A quantised by p3_quant_fp8."""
     rpe = rows_per_expert(name)
-    E = len(rpe)
-    off, _ = ref8.contiguous_layout(rpe)
-    rows = int(off[-1])
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    lay = scale_layout(rows, K)
-    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-    aq = torch.empty(rows, K, device="cuda", dtype=torch.float8_e4m3fn)
-    sa = torch.empty(lay.kb, lay.m_pad, device="cuda", dtype=torch.float32).t()[:rows]
-    codes = torch.randint(0, 126, (E, N, K), device="cuda", dtype=torch.uint8, generator=gen)
-    codes |= torch.randint(0, 2, (E, N, K), device="cuda", dtype=torch.uint8, generator=gen) << 7
-    sb = torch.exp2(torch.rand(E, N // 128, K // 128, device="cuda", generator=gen) * 4 - 2) / 448
-    q = QuantFp8(driver.device())
-    q(x, aq, sa)
+    off, m_idx = ref8.contiguous_layout(rpe)
+    _, x, aq, sa, bw, sb = gemm_inputs(torch, seed, int(off[-1]), len(rpe), N, K)
+    QuantFp8(driver.device())(x, aq, sa)
     torch.cuda.synchronize()
-    return rpe, off, aq, sa, codes.view(torch.float8_e4m3fn), sb
+    return rpe, off, m_idx, aq, sa, bw, sb
 
 
-def sampler(path: str) -> subprocess.Popen:
-    f = open(path, "w")
+def sampler(f) -> subprocess.Popen:
+    """nvidia-smi writing a CSV line of QUERY into file ``f`` every 20 ms until terminated."""
     return subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "20"],
                             stdout=f, stderr=subprocess.DEVNULL)
 
@@ -66,7 +56,9 @@ def sampler(path: str) -> subprocess.Popen:
 def samples(path: str) -> list[tuple[float, float, float, int]]:
     """(epoch seconds, SM MHz, W, reasons bitmask) of every parseable line."""
     out = []
-    for line in open(path):
+    with open(path) as f:
+        lines = f.readlines()
+    for line in lines:
         p = [v.strip() for v in line.split(",")]
         try:
             t = datetime.datetime.strptime(p[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
@@ -92,7 +84,7 @@ def main() -> int:
     dg, why = _deep_gemm()
     print(f"seed {a.seed}; {dev.name}; DeepGEMM: {'present' if dg else why}")
     for name in a.shape or ["prefill", "8x4096"]:
-        rpe, off, aq, sa, bw, sb = inputs(torch, name, a.seed)
+        rpe, off, m_idx, aq, sa, bw, sb = inputs(torch, name, a.seed)
         E, rows, real = len(rpe), int(off[-1]), int(rpe.sum())
         offsets = driver.DeviceBuffer.from_array(off)
         recv = driver.DeviceBuffer(16 * N)
@@ -113,7 +105,7 @@ def main() -> int:
             cs[label] = c
         if dg is not None:
             d = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-            mi = torch.from_numpy(ref8.contiguous_layout(rpe)[1]).cuda()
+            mi = torch.from_numpy(m_idx).cuda()
 
             def dgc(d=d, mi=mi):
                 with torch.cuda.stream(ts):
@@ -125,7 +117,7 @@ def main() -> int:
         s.synchronize()
         torch.cuda.synchronize()
         ref = cs["p3send wide (shipped)"]
-        real_rows = torch.from_numpy(np.flatnonzero(ref8.contiguous_layout(rpe)[1] >= 0)).cuda()
+        real_rows = torch.from_numpy(np.flatnonzero(m_idx >= 0)).cuda()
         for label, c in cs.items():
             if label.startswith("DeepGEMM"):
                 diff = (c[real_rows].float() - ref[real_rows].float()).abs().max().item()
@@ -145,8 +137,9 @@ def main() -> int:
             per[label] = max(1, int(a.burst_ms * 1000 / (200.0 * e0.elapsed_ms(e1))))
             e0.close()
             e1.close()
-        log = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
-        smi = sampler(log)
+        log_f = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
+        log = log_f.name
+        smi = sampler(log_f)
         time.sleep(0.5)
         spans = {k: [] for k in fns}
         times = {k: [] for k in fns}
@@ -170,6 +163,7 @@ def main() -> int:
             time.sleep(0.1)
             smi.terminate()
             smi.wait()
+            log_f.close()
         sm = samples(log)
         print(f"\n{name}: {real} real rows ({rows} with padding), {E} experts, N {N}, K {K}; {a.turns} turns of "
               f"~{a.burst_ms:.0f} ms bursts; {len(sm)} nvidia-smi samples")

@@ -218,6 +218,23 @@ def _reference_rows(torch, a, sa, bw, sb, off, rows_sel, n_cols, k_dim):
     return np.concatenate(out_ref)[order], np.concatenate(out_bound)[order]
 
 
+def gemm_inputs(torch, seed: int, rows: int, E: int, N: int, K: int):
+    """The section's random inputs on the GPU (torch generator seeded with ``seed``): the scale
+    layout of ``rows`` rows, X bf16 (rows, K) normal, A e4m3 (rows, K) and its scales sa
+    (rows, K/128, MN-major) left for the quantiser to fill, B e4m3 (E, N, K) random finite codes
+    of either sign, sb float32 (E, N/128, K/128) in [2^-2, 2^2] / 448.
+    Returns (layout, x, a, sa, b, sb)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lay = scale_layout(rows, K)
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    aq = torch.empty(rows, K, device="cuda", dtype=torch.float8_e4m3fn)
+    sa = torch.empty(lay.kb, lay.m_pad, device="cuda", dtype=torch.float32).t()[:rows]   # MN-major
+    codes = torch.randint(0, 126, (E, N, K), device="cuda", dtype=torch.uint8, generator=gen)
+    codes |= torch.randint(0, 2, (E, N, K), device="cuda", dtype=torch.uint8, generator=gen) << 7
+    sb = torch.exp2(torch.rand(E, N // 128, K // 128, device="cuda", generator=gen) * 4 - 2) / 448
+    return lay, x, aq, sa, codes.view(torch.float8_e4m3fn), sb
+
+
 def _bf16_rows(torch, t, rows_sel):
     return t[torch.from_numpy(rows_sel).cuda()].float().double().cpu().numpy()
 
@@ -235,16 +252,7 @@ def measure_shape(ctx, name: str) -> dict:
     table = encode_range_table(off, counts_er)
     s = ctx.stream
     ts = torch.cuda.ExternalStream(int(s))
-    gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 31)))
-    lay = scale_layout(rows, K)
-    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-    aq = torch.empty(rows, K, device="cuda", dtype=torch.float8_e4m3fn)
-    sa_store = torch.empty(lay.kb, lay.m_pad, device="cuda", dtype=torch.float32)
-    sa = sa_store.t()[:rows]                                      # (rows, K/128), MN-major
-    codes = torch.randint(0, 126, (E, N, K), device="cuda", dtype=torch.uint8, generator=gen)
-    codes |= torch.randint(0, 2, (E, N, K), device="cuda", dtype=torch.uint8, generator=gen) << 7
-    bw = codes.view(torch.float8_e4m3fn)
-    sb = torch.exp2(torch.rand(E, N // 128, K // 128, device="cuda", generator=gen) * 4 - 2) / 448
+    lay, x, aq, sa, bw, sb = gemm_inputs(torch, int(rng.integers(1 << 31)), rows, E, N, K)
     m_dev = torch.from_numpy(off).cuda()
     offsets = driver.DeviceBuffer.from_array(off)
     table_buf, src_buf = driver.DeviceBuffer.from_array(table), driver.DeviceBuffer.from_array(src)
